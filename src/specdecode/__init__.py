@@ -1,0 +1,26 @@
+"""specdecode: lossless speculative decoding of large language models.
+
+A cheap drafter proposes up to K tokens; the target scores them in one forward pass;
+the acceptance rule keeps what the target agrees with (Leviathan et al. 2023; Chen et
+al. 2023). Greedy output equals the target's own; sampled output has its distribution.
+"""
+
+from .api import Decoder, generate
+from .engine import GenerationResult, SpeculativeEngine
+from .errors import ContextOverflowError, IncompatibleVocabularyError, ModelFileError, SpecDecodeError
+from .sampling import SamplingParams
+from .stats import Stats
+
+__all__ = [
+    "Decoder",
+    "generate",
+    "GenerationResult",
+    "SpeculativeEngine",
+    "SamplingParams",
+    "Stats",
+    "SpecDecodeError",
+    "ModelFileError",
+    "IncompatibleVocabularyError",
+    "ContextOverflowError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,229 @@
+"""Python API: a reusable :class:`Decoder` that keeps models loaded, and :func:`generate`.
+
+Example::
+
+    import specdecode
+    result = specdecode.generate("def quicksort(xs):", max_tokens=64)
+    print(result.text, result.stats.acceptance_rate)
+
+    dec = specdecode.Decoder(target="qwen2.5-coder-1.5b-instruct", draft="ngram")
+    for delta in dec.generate(messages=[{"role": "user", "content": "Hi"}], stream=True):
+        print(delta, end="")
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from . import models
+from .backends.llama_cpp import LlamaCppBackend
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from .engine import GenerationResult, SpeculativeEngine
+from .errors import SpecDecodeError
+from .parity import parity_report
+from .sampling import SamplingParams
+
+DRAFTER_KINDS = ("none", "ngram")
+
+
+def load_backend(name_or_path: str, n_ctx: int = 4096, n_threads: int | None = None, progress: bool = True) -> LlamaCppBackend:
+    """Resolve a registry name or .gguf path (pulling if needed) and load it on llama.cpp."""
+    path = models.resolve(name_or_path, progress=progress)
+    return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path)
+
+
+def make_drafter(draft: str, target: LlamaCppBackend, n_ctx: int = 4096, n_threads: int | None = None,
+                 progress: bool = True) -> Drafter:
+    """'none', 'ngram', or a draft model (registry name or .gguf path) checked against the target."""
+    if draft == "none":
+        return NoDrafter()
+    if draft == "ngram":
+        return NgramDrafter()
+    backend = load_backend(draft, n_ctx=n_ctx, n_threads=n_threads, progress=progress)
+    try:
+        return ModelDrafter(backend, target=target)
+    except SpecDecodeError:
+        backend.close()
+        raise
+
+
+class Decoder:
+    """A target and a drafter loaded once, for many generations.
+
+    target: registry name or .gguf path (default qwen2.5-coder-1.5b-instruct).
+    draft: registry name or .gguf path of a draft model, "ngram" (prompt lookup) or
+        "none" (plain decoding); default qwen2.5-coder-0.5b-instruct.
+    num_speculative_tokens: K, drafted tokens per step (0..32, default 4).
+    n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
+
+    Raises SpecDecodeError (and subclasses: ModelFileError, IncompatibleVocabularyError)
+    with a message naming the values.
+    """
+
+    def __init__(
+        self,
+        target: str = models.DEFAULT_TARGET,
+        draft: str = models.DEFAULT_DRAFT,
+        num_speculative_tokens: int = 4,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.target_name = target
+        self.draft_name = draft
+        self.target = load_backend(target, n_ctx=n_ctx, n_threads=n_threads, progress=progress)
+        try:
+            self.drafter = make_drafter(draft, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress)
+            self.engine = SpeculativeEngine(self.target, self.drafter, num_speculative_tokens)
+        except BaseException:
+            self.target.close()
+            raise
+        self._plain = NoDrafter()
+
+    def close(self) -> None:
+        backend = getattr(self.drafter, "backend", None)
+        if backend is not None:
+            backend.close()
+        self.target.close()
+
+    def __enter__(self) -> "Decoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
+        """Tokenize a raw prompt (BOS added if the model wants it) or chat messages (the
+        model's own chat template). Exactly one of the two must be given."""
+        if (prompt is None) == (messages is None):
+            raise SpecDecodeError("give exactly one of prompt or messages")
+        if messages is not None:
+            text = self.target.apply_chat_template(messages)
+            return self.target.tokenize(text, add_special=False, parse_special=True)
+        if not isinstance(prompt, str):
+            raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.target.tokenize(prompt, add_special=True, parse_special=True)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        stream: bool = False,
+        plain: bool = False,
+        num_speculative_tokens: int | None = None,
+        record_top2_gaps: bool = False,
+    ) -> GenerationResult | Iterator[str]:
+        """Generate from a prompt or chat messages.
+
+        Returns a GenerationResult (text, token_ids, finish_reason, logprobs, stats), or
+        with stream=True an iterator of text deltas (whole UTF-8 characters) that
+        concatenate to the final text; the iterator's ``result`` is not exposed, use
+        :meth:`stream` to get it. plain=True decodes without a drafter (the baseline).
+        """
+        gen = self.stream(
+            prompt, messages=messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop,
+            logprobs=logprobs, plain=plain, num_speculative_tokens=num_speculative_tokens,
+            record_top2_gaps=record_top2_gaps,
+        )
+        if stream:
+            return (item for item in gen if isinstance(item, str))
+        result = None
+        for item in gen:
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None
+        return result
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: int | None = None,
+        plain: bool = False,
+        num_speculative_tokens: int | None = None,
+        record_top2_gaps: bool = False,
+    ) -> Iterator[str | GenerationResult]:
+        """Like :meth:`generate` but yields text deltas and, last, the GenerationResult."""
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, seed=seed,
+        )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        ids = self.prompt_ids(prompt, messages)
+        return self.engine.stream(
+            ids, sampling=params, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
+            record_top2_gaps=record_top2_gaps,
+            drafter=self._plain if plain else None,
+            num_speculative_tokens=0 if plain else num_speculative_tokens,
+        )
+
+    def compare(self, prompt: str | None = None, **kwargs) -> tuple[GenerationResult, GenerationResult, dict]:
+        """Run speculatively and plainly on the same input; returns (speculative, plain, report).
+
+        report: speedup (ratio of decode tokens/s), and for greedy runs the parity
+        report of :func:`specdecode.parity.parity_report`.
+        """
+        kwargs.pop("plain", None)
+        spec = self.generate(prompt, plain=False, record_top2_gaps=True, **kwargs)
+        base = self.generate(prompt, plain=True, record_top2_gaps=True, **kwargs)
+        report: dict = {
+            "speedup": round(spec.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s, 3)
+            if base.stats.decode_tokens_per_s > 0 else None,
+        }
+        if kwargs.get("temperature", 0.0) == 0.0:
+            report["parity"] = parity_report(spec, base)
+        else:
+            report["parity"] = {"status": "not applicable: sampling (temperature > 0) compares distributions, not tokens"}
+        return spec, base, report
+
+
+def generate(
+    prompt: str | None = None,
+    *,
+    target: str = models.DEFAULT_TARGET,
+    draft: str = models.DEFAULT_DRAFT,
+    num_speculative_tokens: int = 4,
+    n_ctx: int = 4096,
+    n_threads: int | None = None,
+    **kwargs,
+) -> GenerationResult | Iterator[str]:
+    """One-shot generation: loads the models, generates, and frees them.
+
+    See :class:`Decoder` for the model options and :meth:`Decoder.generate` for the rest.
+    With stream=True the models stay loaded until the iterator is exhausted.
+    """
+    dec = Decoder(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens,
+                  n_ctx=n_ctx, n_threads=n_threads)
+    if kwargs.get("stream"):
+        def gen() -> Iterator[str]:
+            with dec:
+                yield from dec.generate(prompt, **kwargs)
+        return gen()
+    with dec:
+        return dec.generate(prompt, **kwargs)

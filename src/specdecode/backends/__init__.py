@@ -1,0 +1,5 @@
+"""Model backends: llama.cpp (GGUF) and, later, PyTorch."""
+
+from .base import Backend
+
+__all__ = ["Backend"]

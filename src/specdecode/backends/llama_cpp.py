@@ -1,0 +1,285 @@
+"""llama.cpp backend (GGUF files) over llama-cpp-python's low-level C API.
+
+Why the low-level API: the high-level ``Llama`` class keeps an n_batch x vocabulary (or
+n_ctx x vocabulary) score buffer and evaluates in its own way; here one ``llama_decode``
+evaluates [last committed token + K drafts] and marks only the positions whose logits
+the acceptance rule needs, and ``llama_memory_seq_rm`` rolls back rejected positions.
+
+Dimension letters: N = tokens in one forward, M = requested logit rows, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
+
+_BACKEND_READY = False
+
+
+def _init_llama() -> None:
+    global _BACKEND_READY
+    if not _BACKEND_READY:
+        import llama_cpp
+
+        # llama.cpp logs every load step to stderr; keep errors only.
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        llama_cpp.llama_backend_init()
+        _BACKEND_READY = True
+
+
+def default_threads() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class LlamaCppBackend:
+    """One GGUF model with a single-sequence KV cache, on llama.cpp.
+
+    path: GGUF file. n_ctx: context window in tokens (default 4096, capped at the
+    model's training context). n_threads: CPU threads (default: the machine's cores).
+    n_batch: most tokens per llama_decode call; longer forwards are split.
+
+    Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
+    options.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        name: str | None = None,
+    ) -> None:
+        _init_llama()
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.path = Path(path)
+        self.name = name or self.path.name
+        if n_ctx < 16:
+            raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 16")
+        n_threads = n_threads or default_threads()
+        if n_threads < 1:
+            raise SpecDecodeError(f"n_threads = {n_threads} is out of range: expected n_threads >= 1")
+        self._model = None
+        self._ctx = None
+        self._batch = None
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        # Extra buffer types repack weights for AMX and other kernels; llama.cpp's AMX path
+        # crashes (SIGSEGV in ggml_backend_amx_mul_mat) on AMX-capable Xeons in VMs, so keep
+        # weights in the plain CPU buffer.
+        mparams.use_extra_bufts = False
+        model = llama_cpp.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
+        if not model:
+            raise ModelFileError(f"llama.cpp could not load model file {self.path}: the file is corrupt or not a supported GGUF model")
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
+        if n_ctx_train > 0:
+            n_ctx = min(n_ctx, n_ctx_train)
+        self._n_batch = max(1, min(n_batch, n_ctx))
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = self._n_batch
+        cparams.n_ubatch = self._n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
+        self._ctx = ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+        self._kv_len = 0
+        self.n_threads = n_threads
+
+        eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
+        self._eog = frozenset(eog)
+        self._piece_cache: dict[int, bytes] = {}
+
+    # --- vocabulary ---------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self._eog
+
+    @property
+    def bos_id(self) -> int | None:
+        t = int(self._lib.llama_vocab_bos(self._vocab))
+        return t if t >= 0 else None
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (self._lib.llama_token * n_max)()
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (self._lib.llama_token * n_max)()
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return list(buf[:n])
+
+    def _piece(self, token_id: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._piece_cache.get(token_id)
+        if piece is None:
+            piece = self._piece(token_id, special=False)
+            self._piece_cache[token_id] = piece
+        return piece
+
+    def token_text(self, token_id: int) -> bytes:
+        return self._lib.llama_vocab_get_text(self._vocab, token_id) or b""
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    @property
+    def chat_template(self) -> str | None:
+        t = self._lib.llama_model_chat_template(self._model, None)
+        return t.decode("utf-8") if t else None
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        """Render messages with the GGUF's own Jinja chat template (add_generation_prompt=True).
+
+        Raises SpecDecodeError when the model has no chat template or the messages are malformed.
+        """
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.chat_template
+        if not template:
+            raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise SpecDecodeError(f"chat messages need 'role' and 'content', got {m!r}")
+        bos = self.bos_id
+        eos = int(self._lib.llama_vocab_eos(self._vocab))
+        fmt = Jinja2ChatFormatter(
+            template=template,
+            eos_token=self.token_text(eos).decode("utf-8", "replace") if eos >= 0 else "",
+            bos_token=self.token_text(bos).decode("utf-8", "replace") if bos is not None else "",
+        )
+        return fmt(messages=list(messages)).prompt
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self._lib.llama_vocab_get_add_bos(self._vocab))
+
+    # --- evaluation -------------------------------------------------------------------
+    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
+        """Append token_ids [N] at positions kv_len.. and return logits [M, V] float32 (a copy).
+
+        logits_for: [M] ascending indices into token_ids. Long inputs are split into
+        n_batch-sized llama_decode calls. Raises ContextOverflowError when the tokens do
+        not fit, SpecDecodeError when llama.cpp reports a failure.
+        """
+        tokens = list(token_ids)
+        want = sorted(set(int(i) for i in logits_for))
+        n = len(tokens)
+        if want and (want[0] < 0 or want[-1] >= n):
+            raise ValueError(f"logits_for {want} out of range for {n} tokens")
+        if self._kv_len + n > self._n_ctx:
+            raise ContextOverflowError(
+                f"{self.name}: {self._kv_len} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
+            )
+        out = np.empty((len(want), self._n_vocab), dtype=np.float32)
+        want_set = set(want)
+        row = 0
+        lib = self._lib
+        b = self._batch
+        for start in range(0, n, self._n_batch):
+            chunk = tokens[start : start + self._n_batch]
+            rows_here = []
+            for j, tok in enumerate(chunk):
+                if not (0 <= tok < self._n_vocab):
+                    raise SpecDecodeError(f"token id {tok} is outside the vocabulary of {self.name} ({self._n_vocab})")
+                b.token[j] = tok
+                b.pos[j] = self._kv_len + j
+                b.n_seq_id[j] = 1
+                b.seq_id[j][0] = 0
+                flag = (start + j) in want_set
+                b.logits[j] = flag
+                if flag:
+                    rows_here.append(j)
+            b.n_tokens = len(chunk)
+            rc = lib.llama_decode(self._ctx, b)
+            if rc != 0:
+                # Leave the cache as it was before this call.
+                lib.llama_memory_seq_rm(self._mem, 0, self._kv_len, -1)
+                raise SpecDecodeError(f"{self.name}: llama_decode failed with code {rc}")
+            self._kv_len += len(chunk)
+            for j in rows_here:
+                ptr = lib.llama_get_logits_ith(self._ctx, j)
+                out[row] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+                row += 1
+        return out
+
+    def rollback(self, n: int) -> None:
+        """Drop cached positions >= n (llama_memory_seq_rm over [n, end))."""
+        if not (0 <= n <= self._kv_len):
+            raise ValueError(f"rollback to {n} outside 0..{self._kv_len}")
+        if n < self._kv_len:
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+                raise SpecDecodeError(f"{self.name}: llama.cpp cannot roll back this model's cache to {n}")
+            self._kv_len = n
+
+    def close(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        if self._batch is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

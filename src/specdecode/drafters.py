@@ -1,0 +1,196 @@
+"""Drafters: cheap guesses of the next K tokens.
+
+Every drafter has one signature, ``propose(context, k) -> Draft``, and a feedback hook
+``observe(num_accepted)``. ``start(prompt_ids, sampler)`` is called once per generation
+with the sampler whose transforms and random generator the drafter must use, so that
+``Draft.probs`` is the distribution each drafted token was actually drawn from.
+
+Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .backends.base import Backend
+from .errors import IncompatibleVocabularyError, SpecDecodeError
+from .sampling import Sampler
+
+
+@dataclass
+class Draft:
+    """token_ids: [K] drafted ids. probs: [K, V] the distribution each was drawn from, or
+    None when each was chosen deterministically (greedy drafts, n-gram lookup): one-hot."""
+
+    token_ids: list[int]
+    probs: np.ndarray | None = None
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None: ...
+
+    def propose(self, context: Sequence[int], k: int) -> Draft: ...
+
+    def observe(self, num_accepted: int) -> None: ...
+
+    def finish(self, committed: Sequence[int]) -> None: ...
+
+
+class NoDrafter:
+    """No drafts: every step is one plain autoregressive target forward (the baseline)."""
+
+    name = "none"
+
+    def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        return Draft([])
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+    def finish(self, committed: Sequence[int]) -> None:
+        pass
+
+
+class NgramDrafter:
+    """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
+
+    Match the last n tokens of the context, n from max_ngram down to min_ngram, against
+    earlier text (prompt and generated so far); propose the up to k tokens that followed
+    the most recent match. Drafts are deterministic, so probs is None (one-hot).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (1 <= min_ngram <= max_ngram):
+            raise SpecDecodeError(f"ngram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        if k <= 0:
+            return Draft([])
+        ctx = np.asarray(context, dtype=np.int64)  # [L]
+        L = len(ctx)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            pattern = ctx[L - n :]
+            # Candidate starts 0 .. L-n-1: the match must be followed by at least one token.
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # [L-n, n]
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return Draft([int(t) for t in ctx[start : start + k]])
+        return Draft([])
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+    def finish(self, committed: Sequence[int]) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A smaller model on any backend drafts K tokens autoregressively.
+
+    Greedy generations draft greedily (probs None); sampled ones draw each draft from the
+    draft model's distribution shaped by the same Sampler and return it as probs [K, V].
+    The draft's KV cache keeps the tokens it has seen; each proposal rolls it back to the
+    longest prefix shared with the new context and feeds only the rest.
+
+    Raises IncompatibleVocabularyError at construction when the vocabularies differ
+    (size, or the text of any token id), showing the first mismatches.
+    """
+
+    name = "model"
+
+    def __init__(self, backend: Backend, target: Backend | None = None) -> None:
+        self.backend = backend
+        if target is not None:
+            check_vocab_compatible(backend, target)
+        self._cached: list[int] = []
+        self._sampler: Sampler | None = None
+
+    def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
+        self._sampler = sampler
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        sampler = self._sampler
+        assert sampler is not None, "start() must be called before propose()"
+        k = min(k, self.backend.n_ctx - len(context))
+        if k <= 0:
+            return Draft([])
+        keep = 0
+        limit = min(len(self._cached), len(context) - 1)
+        while keep < limit and self._cached[keep] == context[keep]:
+            keep += 1
+        self.backend.rollback(keep)
+        self._cached = list(context[:keep])
+        assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
+
+        history = list(context)
+        drafts: list[int] = []
+        rows: list[np.ndarray] = []
+        logits = self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0]
+        self._cached.extend(context[keep:])
+        for i in range(k):
+            if sampler.params.greedy:
+                tok = sampler.argmax(logits, history)
+            else:
+                q = sampler.probs(logits, history)
+                tok = sampler.sample(q)
+                rows.append(q)
+            drafts.append(tok)
+            history.append(tok)
+            if i + 1 < k:
+                logits = self.backend.forward([tok], logits_for=[0])[0]
+                self._cached.append(tok)
+        probs = np.stack(rows) if rows else None
+        return Draft(drafts, probs)
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+    def finish(self, committed: Sequence[int]) -> None:
+        """End of a generation: drop cached tokens that are not part of the committed output."""
+        keep = 0
+        limit = min(len(self._cached), len(committed))
+        while keep < limit and self._cached[keep] == committed[keep]:
+            keep += 1
+        self.backend.rollback(keep)
+        del self._cached[keep:]
+
+
+def check_vocab_compatible(draft: Backend, target: Backend, show: int = 5) -> None:
+    """Raise IncompatibleVocabularyError unless draft and target share the vocabulary.
+
+    Same size, and the same token text for every id. The message names both models and
+    shows up to ``show`` mismatching ids.
+    """
+    if draft.n_vocab != target.n_vocab:
+        raise IncompatibleVocabularyError(
+            f"draft vocabulary {draft.n_vocab} != target vocabulary {target.n_vocab} "
+            f"(draft {draft.name}, target {target.name}): the draft model must share the target's tokenizer"
+        )
+    mismatches = []
+    for i in range(target.n_vocab):
+        if draft.token_text(i) != target.token_text(i):
+            mismatches.append(i)
+            if len(mismatches) >= show:
+                break
+    if mismatches:
+        shown = ", ".join(f"id {i}: draft {draft.token_text(i)!r} vs target {target.token_text(i)!r}" for i in mismatches)
+        raise IncompatibleVocabularyError(
+            f"draft {draft.name} and target {target.name} have the same vocabulary size ({target.n_vocab}) "
+            f"but different tokens: {shown}"
+        )

@@ -1,0 +1,22 @@
+"""Errors that specdecode reports to users.
+
+Every error a user can cause (bad option, missing or corrupt model file, incompatible
+vocabularies, a prompt that does not fit) is a :class:`SpecDecodeError` whose message
+names the offending values. The CLI prints it as one line and exits non-zero.
+"""
+
+
+class SpecDecodeError(Exception):
+    """A user-facing error: the message says what is wrong and shows the values."""
+
+
+class ModelFileError(SpecDecodeError):
+    """A model file is missing, truncated, corrupt or does not match its checksum."""
+
+
+class IncompatibleVocabularyError(SpecDecodeError):
+    """The draft model's vocabulary differs from the target's."""
+
+
+class ContextOverflowError(SpecDecodeError):
+    """The prompt does not fit in the target's (or draft's) context window."""

@@ -1,0 +1,94 @@
+"""Statistics of one generation, with the names DESIGN.md fixes.
+
+Units: seconds for *_s fields, tokens for counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass
+class Stats:
+    """Counters and timings of one generation.
+
+    drafted: drafted tokens sent to verification.
+    accepted: drafted tokens accepted (and kept: tokens cut by a stop are not counted).
+    target_forward_passes: target forward calls in the decode phase (prefill excluded).
+    accepted_per_position[i] / drafted_per_position[i]: how often draft position i
+        (0-based) was accepted / drafted; their ratio is per-position acceptance.
+    k_histogram: number of decode steps that drafted k tokens, by k.
+    prefill_s: time to fill the target's cache with the prompt.
+    decode_s: time from the end of prefill to the last committed token.
+    draft_s, verify_s: parts of decode_s spent drafting and in target forward plus
+        acceptance.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_forward_passes: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    k_histogram: Counter = field(default_factory=Counter)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted / drafted (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward pass (plain decoding = 1.0)."""
+        return self.completion_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def record_step(self, k: int, num_accepted: int) -> None:
+        """Count one decode step that drafted k tokens of which num_accepted were kept."""
+        self.target_forward_passes += 1
+        self.k_histogram[k] += 1
+        self.drafted += k
+        self.accepted += num_accepted
+        grow = k - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def retract_accepted(self, positions: Iterable[int]) -> None:
+        """Uncount accepted drafts (at the given draft positions) that a stop string cut off."""
+        for i in positions:
+            self.accepted -= 1
+            self.accepted_per_position[i] -= 1
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
+            "target_forward_passes": self.target_forward_passes,
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+        }

@@ -1,0 +1,138 @@
+"""Acceptance rules: pure functions over arrays (no model, no cache, no I/O).
+
+Dimension letters used in shape comments:
+    K: number of drafted tokens in this step (``num_speculative_tokens``), K >= 0
+    V: vocabulary size
+
+Sources:
+    Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative
+    Decoding" (ICML 2023), Algorithm 1 and Section 2.3 (speculative sampling).
+    Chen et al., "Accelerating Large Language Model Decoding with Speculative
+    Sampling" (DeepMind 2023), Algorithm 2 (modified rejection sampling).
+    Stern, Shazeer, Uszkoreit, "Blockwise Parallel Decoding for Deep Autoregressive
+    Models" (NeurIPS 2018), Section 3 (greedy verification by exact match).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one block of drafts.
+
+    num_accepted: drafted tokens accepted, 0..K (a prefix of the draft).
+    next_token: the target's own token appended after the accepted prefix: the
+        recovered token if a draft was rejected, else the bonus token.
+    is_bonus: True when all K drafts were accepted and next_token is the bonus token.
+    """
+
+    num_accepted: int
+    next_token: int
+    is_bonus: bool
+
+
+def committed_tokens(draft_ids: Sequence[int], result: VerifyResult) -> list[int]:
+    """The tokens a step commits: the accepted drafts, then the target's own token.
+
+    draft_ids: [K]. Returns a list of result.num_accepted + 1 token ids.
+    """
+    return [int(t) for t in draft_ids[: result.num_accepted]] + [result.next_token]
+
+
+def verify_greedy(draft_ids: Sequence[int], target_argmax: Sequence[int]) -> VerifyResult:
+    """Greedy verification (temperature 0): accept drafts while each equals the target's argmax.
+
+    draft_ids: [K] drafted token ids.
+    target_argmax: [K+1] argmax of the target's (shaped) logits at each verified position;
+        position i predicts the token after the committed prefix plus draft_ids[:i].
+
+    Returns the number of accepted drafts n and, as next_token, target_argmax[n]:
+    the target's correction at the first mismatch, or the bonus token when n == K.
+    This is exact-match verification (Stern et al. 2018, Sec. 3; Leviathan et al.
+    2023, Sec. 2.3 with temperature 0).
+
+    Raises ValueError if len(target_argmax) != len(draft_ids) + 1.
+    """
+    k = len(draft_ids)
+    if len(target_argmax) != k + 1:
+        raise ValueError(f"target_argmax has {len(target_argmax)} positions, expected K+1 = {k + 1}")
+    n = 0
+    while n < k and int(draft_ids[n]) == int(target_argmax[n]):
+        n += 1
+    return VerifyResult(num_accepted=n, next_token=int(target_argmax[n]), is_bonus=(n == k))
+
+
+def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from probs: [V] (non-negative, any positive sum)."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    total = cdf[-1]
+    if not total > 0.0:
+        raise ValueError("cannot sample from a distribution with zero mass")
+    idx = int(np.searchsorted(cdf, rng.random() * total, side="right"))
+    # Guard against idx == V when the uniform draw lands on the top edge in floating point.
+    idx = min(idx, len(cdf) - 1)
+    while probs[idx] <= 0.0:  # skip zero-probability slots that share a cdf value
+        idx -= 1
+    return idx
+
+
+def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Sample one token id from probs: [V], a (possibly unnormalised) distribution."""
+    return _sample(np.asarray(probs, dtype=np.float64), rng)
+
+
+def verify_speculative_sampling(
+    draft_ids: Sequence[int],
+    draft_probs: np.ndarray | None,
+    target_probs: np.ndarray,
+    rng: np.random.Generator,
+) -> VerifyResult:
+    """The speculative sampling rule (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Alg. 2).
+
+    draft_ids: [K] drafted token ids.
+    draft_probs: [K, V] the distribution each drafted token was actually drawn from
+        (after the same shaping the target uses), or None for drafters that give no
+        probabilities (ngram, greedy drafts): then each row is one-hot at the draft.
+    target_probs: [K+1, V] the target's shaped distribution at each verified position.
+    rng: the generator that supplies the uniform draws (seeded for reproducibility).
+
+    For i = 0..K-1, accept draft x = draft_ids[i] with probability
+    min(1, target(x) / draft(x)). At the first rejection, sample the recovered token from
+    normalize(max(0, target_probs[i] - draft_probs[i])) and stop. If all K are accepted,
+    sample the bonus token from target_probs[K]. The committed tokens are then distributed
+    exactly as sampling from target_probs autoregressively (Leviathan et al., Theorem 1).
+
+    Raises ValueError on inconsistent shapes.
+    """
+    k = len(draft_ids)
+    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs has shape {target_probs.shape}, expected (K+1, V) with K = {k}")
+    if draft_probs is not None and (draft_probs.ndim != 2 or draft_probs.shape != (k, target_probs.shape[1])):
+        raise ValueError(f"draft_probs has shape {draft_probs.shape}, expected ({k}, {target_probs.shape[1]})")
+    for i in range(k):
+        x = int(draft_ids[i])
+        p_target = float(target_probs[i, x])
+        p_draft = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        if p_draft <= 0.0:
+            # A token the drafter could not have drawn: treat as certain rejection of that token.
+            accept = False
+        else:
+            accept = rng.random() < min(1.0, p_target / p_draft)
+        if accept:
+            continue
+        residual = np.asarray(target_probs[i], dtype=np.float64).copy()
+        if draft_probs is None:
+            residual[x] = max(0.0, residual[x] - 1.0)
+        else:
+            residual = np.maximum(residual - draft_probs[i], 0.0)
+        if not residual.sum() > 0.0:
+            # Only reachable through floating-point round-off when target == draft; then
+            # sampling from the target itself is the correct limit.
+            residual = np.asarray(target_probs[i], dtype=np.float64)
+        return VerifyResult(num_accepted=i, next_token=_sample(residual, rng), is_bonus=False)
+    return VerifyResult(num_accepted=k, next_token=_sample(np.asarray(target_probs[k], dtype=np.float64), rng), is_bonus=True)

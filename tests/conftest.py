@@ -1,0 +1,150 @@
+"""Shared fixtures: the small real model (smollm2-135m-instruct, pulled once into the
+cache) and a deterministic fake backend for crafted engine cases."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from specdecode import models
+from specdecode.drafters import Draft
+from specdecode.errors import ContextOverflowError
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    return models.resolve(SMOLLM, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+
+    b = LlamaCppBackend(smollm_path, n_ctx=2048, name=SMOLLM)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session")
+def smollm_draft(smollm_path):
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+
+    b = LlamaCppBackend(smollm_path, n_ctx=2048, name=SMOLLM + " (draft)")
+    yield b
+    b.close()
+
+
+class ScriptedBackend:
+    """A fake target whose greedy continuation of the prompt is a fixed script.
+
+    Vocabulary: ids 0..V-1 with byte pieces given by ``pieces``; id ``eos`` ends
+    generation. At absolute position t (predicting token t+1) the logits put a margin of
+    ``margin`` on script[t + 1 - n_prompt] (eos past the end of the script), computed from
+    the tokens actually in the cache, so it behaves as a real causal LM would: rolling
+    back and re-feeding reproduces the same logits.
+    """
+
+    def __init__(self, pieces: Sequence[bytes], script: Sequence[int], n_prompt: int, eos: int = 0,
+                 n_ctx: int = 512, margin: float = 5.0):
+        self.name = "scripted"
+        self.pieces = list(pieces)
+        self.script = list(script)
+        self.n_prompt = n_prompt
+        self.eos = eos
+        self._n_ctx = n_ctx
+        self.margin = margin
+        self.cache: list[int] = []
+        self.forward_calls: list[int] = []  # tokens per forward call
+
+    n_vocab = property(lambda self: len(self.pieces))
+    n_ctx = property(lambda self: self._n_ctx)
+    kv_len = property(lambda self: len(self.cache))
+    eog_ids = property(lambda self: frozenset({self.eos}))
+
+    def tokenize(self, text, add_special=True, parse_special=False):
+        raise TypeError("scripted backend takes token ids directly")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.pieces[token_id]
+
+    def token_text(self, token_id: int) -> bytes:
+        return self.pieces[token_id]
+
+    def apply_chat_template(self, messages):
+        raise TypeError("scripted backend has no chat template")
+
+    def next_token(self, position: int) -> int:
+        i = position + 1 - self.n_prompt
+        return self.script[i] if 0 <= i < len(self.script) else self.eos
+
+    def forward(self, token_ids, logits_for):
+        if self.kv_len + len(token_ids) > self._n_ctx:
+            raise ContextOverflowError("scripted context overflow")
+        self.forward_calls.append(len(token_ids))
+        start = len(self.cache)
+        self.cache.extend(int(t) for t in token_ids)
+        rows = []
+        for i in logits_for:
+            row = np.zeros(self.n_vocab, dtype=np.float32)
+            row[self.next_token(start + i)] = self.margin
+            rows.append(row)
+        return np.stack(rows) if rows else np.zeros((0, self.n_vocab), dtype=np.float32)
+
+    def rollback(self, n: int) -> None:
+        assert 0 <= n <= len(self.cache)
+        del self.cache[n:]
+
+    def close(self) -> None:
+        pass
+
+
+class OracleDrafter:
+    """Proposes exactly what the scripted target will produce (tokens past eos included)."""
+
+    name = "oracle"
+
+    def __init__(self, target: ScriptedBackend):
+        self.target = target
+
+    def start(self, prompt_ids, sampler):
+        pass
+
+    def propose(self, context, k):
+        pos = len(context) - 1
+        out = []
+        for i in range(k):
+            idx = pos + i + 1 - self.target.n_prompt
+            out.append(self.target.script[idx] if 0 <= idx < len(self.target.script) else 1)
+        return Draft(out)
+
+    def observe(self, n):
+        pass
+
+    def finish(self, committed):
+        pass
+
+
+class WrongDrafter:
+    """Always proposes a token the target does not want (wraps another backend's argmax + 1)."""
+
+    name = "wrong"
+
+    def __init__(self, target_next, n_vocab: int):
+        self.target_next = target_next
+        self.n_vocab = n_vocab
+
+    def start(self, prompt_ids, sampler):
+        pass
+
+    def propose(self, context, k):
+        return Draft([(self.target_next(list(context)) + 1 + i) % self.n_vocab for i in range(k)])
+
+    def observe(self, n):
+        pass
+
+    def finish(self, committed):
+        pass
