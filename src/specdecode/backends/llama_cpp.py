@@ -10,9 +10,10 @@ Dimension letters: N = tokens in one forward, M = requested logit rows, V = voca
 
 from __future__ import annotations
 
+import collections
 import ctypes
-import logging
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -21,17 +22,39 @@ import numpy as np
 from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
 
 _BACKEND_READY = False
+_LOG_CALLBACK = None  # kept alive: llama.cpp holds a raw pointer to it
+_RECENT_ERRORS: "collections.deque[str]" = collections.deque(maxlen=8)
+GGML_LOG_LEVEL_WARN = 3  # ggml's enum: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 
 
 def _init_llama() -> None:
-    global _BACKEND_READY
-    if not _BACKEND_READY:
-        import llama_cpp
+    """Load llama.cpp once and route its log: silent unless SPECDECODE_VERBOSE=1, keeping
+    recent error lines so that a failed load can say why in one line."""
+    global _BACKEND_READY, _LOG_CALLBACK
+    if _BACKEND_READY:
+        return
+    import llama_cpp
 
-        # llama.cpp logs every load step to stderr; keep errors only.
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-        llama_cpp.llama_backend_init()
-        _BACKEND_READY = True
+    verbose = os.environ.get("SPECDECODE_VERBOSE") == "1"
+
+    @llama_cpp.llama_log_callback
+    def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        msg = text.decode("utf-8", errors="replace")
+        if verbose:
+            print(msg, end="", file=sys.stderr, flush=True)
+        if level in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_WARN + 1) and "error" in msg.lower():
+            _RECENT_ERRORS.append(msg.strip())
+
+    _LOG_CALLBACK = _log
+    llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    _BACKEND_READY = True
+
+
+def _last_error() -> str:
+    msg = _RECENT_ERRORS[0] if _RECENT_ERRORS else ""
+    _RECENT_ERRORS.clear()
+    return f" ({msg})" if msg else ""
 
 
 def default_threads() -> int:
@@ -84,7 +107,10 @@ class LlamaCppBackend:
         mparams.use_extra_bufts = False
         model = llama_cpp.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
         if not model:
-            raise ModelFileError(f"llama.cpp could not load model file {self.path}: the file is corrupt or not a supported GGUF model")
+            raise ModelFileError(
+                f"llama.cpp could not load model file {self.path}: the file is corrupt, truncated or not a "
+                f"supported GGUF model{_last_error()}"
+            )
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
@@ -104,7 +130,7 @@ class LlamaCppBackend:
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
-            raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
+            raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}{_last_error()}")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
         self._n_ctx = int(llama_cpp.llama_n_ctx(ctx))

@@ -1,0 +1,86 @@
+"""Backend conformance on llama.cpp (the same properties any backend must have)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdecode.backends.base import Backend
+from specdecode.backends.llama_cpp import LlamaCppBackend
+from specdecode.errors import ContextOverflowError, ModelFileError
+
+
+def test_is_a_backend(smollm):
+    assert isinstance(smollm, Backend)
+    assert smollm.n_vocab == 49152
+    assert smollm.eog_ids and all(0 <= t < smollm.n_vocab for t in smollm.eog_ids)
+
+
+def test_forward_rollback_forward_equals_fresh_forward(smollm):
+    ids = smollm.tokenize("The quick brown fox jumps over the lazy dog because")
+    smollm.rollback(0)
+    fresh = smollm.forward(ids, logits_for=range(len(ids)))  # [N, V]
+    assert fresh.shape == (len(ids), smollm.n_vocab)
+    smollm.rollback(0)
+    # Forward the prefix, then a wrong continuation, roll it back, forward the true one.
+    cut = len(ids) // 2
+    smollm.forward(ids[:cut], logits_for=[])
+    smollm.forward([7, 8, 9, 10], logits_for=[0, 3])
+    assert smollm.kv_len == cut + 4
+    smollm.rollback(cut)
+    assert smollm.kv_len == cut
+    again = smollm.forward(ids[cut:], logits_for=range(len(ids) - cut))
+    np.testing.assert_allclose(again, fresh[cut:], atol=1e-3, rtol=0)
+    assert (again.argmax(-1) == fresh[cut:].argmax(-1)).all()
+    smollm.rollback(0)
+
+
+def test_logits_only_where_asked(smollm):
+    ids = smollm.tokenize("one two three four")
+    smollm.rollback(0)
+    out = smollm.forward(ids, logits_for=[1, len(ids) - 1])
+    assert out.shape == (2, smollm.n_vocab)
+    smollm.rollback(0)
+    assert smollm.forward(ids, logits_for=[]).shape == (0, smollm.n_vocab)
+    smollm.rollback(0)
+
+
+def test_long_forward_is_split_into_batches(smollm_path):
+    b = LlamaCppBackend(smollm_path, n_ctx=256, n_batch=16)
+    ids = (b.tokenize("count: one two three four five six seven eight nine ten") * 6)[:60]
+    assert len(ids) == 60
+    whole = b.forward(ids, logits_for=[10, 59])
+    b.rollback(0)
+    b2 = LlamaCppBackend(smollm_path, n_ctx=256, n_batch=64)
+    ref = b2.forward(ids, logits_for=[10, 59])
+    assert (whole.argmax(-1) == ref.argmax(-1)).all()
+    np.testing.assert_allclose(whole, ref, atol=0.5)
+    b.close(), b2.close()
+
+
+def test_context_overflow_is_an_error(smollm_path):
+    b = LlamaCppBackend(smollm_path, n_ctx=256)
+    n = b.n_ctx  # llama.cpp may round the context up
+    with pytest.raises(ContextOverflowError, match=f"exceed the context of {n}"):
+        b.forward(list(range(100, 110 + n)), logits_for=[])
+    assert b.kv_len == 0
+    b.close()
+
+
+def test_tokenize_roundtrip(smollm):
+    text = "Hello, world! 你好"
+    ids = smollm.tokenize(text, add_special=False)
+    assert b"".join(smollm.token_bytes(t) for t in ids).decode() == text
+
+
+def test_chat_template_from_the_gguf(smollm):
+    text = smollm.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert "<|im_start|>user\nHi there<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_corrupt_file_is_named(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 100)
+    with pytest.raises(ModelFileError, match="broken.gguf"):
+        LlamaCppBackend(bad)

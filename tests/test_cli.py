@@ -1,0 +1,99 @@
+"""The command line as a user meets it: output, JSON, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMOL = "smollm2-135m-instruct"
+
+
+def cli(*args, env=None, timeout=300):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "specdecode", *args], capture_output=True, text=True,
+                          timeout=timeout, env=e)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(err) >= 1
+    last = err[-1]
+    for n in needles:
+        assert n in proc.stderr, (n, proc.stderr)
+    return last
+
+
+def test_generate_json_compare(smollm_path):
+    p = cli("generate", "--target", SMOL, "--draft", SMOL, "--chat", "Name three colours.",
+            "--max-tokens", "24", "--compare", "--json", "--logprobs", "2", "--quiet")
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(p.stdout)
+    assert obj["finish_reason"] in ("stop", "length")
+    assert len(obj["token_ids"]) == obj["stats"]["completion_tokens"] <= 24
+    assert len(obj["logprobs"]) == len(obj["token_ids"])
+    for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position",
+                "target_forward_passes", "prefill_s", "decode_s", "draft_s", "verify_s", "decode_tokens_per_s"):
+        assert key in obj["stats"]
+    base = obj["baseline"]
+    assert base["stats"]["drafted"] == 0
+    assert base["speedup"] > 0
+    assert base["parity"]["status"] in ("exact", "near-tie")
+    assert base["text"] == obj["text"] or base["parity"]["status"] == "near-tie"
+
+
+def test_generate_streams_text_and_prints_stats(smollm_path):
+    p = cli("generate", "--target", SMOL, "--draft", "ngram", "--prompt", "def add(a, b):",
+            "--max-tokens", "16", "--stop", "\n\n", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert "acceptance_rate" in p.stderr and "decode_tokens_per_s" in p.stderr
+    assert "\n\n" not in p.stdout.rstrip("\n")
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--temperature", "-1"], ["temperature = -1.0"]),
+        (["--top-p", "0"], ["top_p = 0.0"]),
+        (["--max-tokens", "0"], ["--max-tokens 0"]),
+        (["--num-speculative-tokens", "99"], ["--num-speculative-tokens 99"]),
+        (["--logprobs", "50"], ["--logprobs 50"]),
+    ],
+)
+def test_out_of_range_options(args, needles):
+    p = cli("generate", "--target", SMOL, "--draft", "none", "--prompt", "hi", *args)
+    assert_one_line_error(p, *needles)
+
+
+def test_missing_and_corrupt_model_files(tmp_path):
+    p = cli("generate", "--target", str(tmp_path / "nope.gguf"), "--draft", "none", "--prompt", "hi")
+    assert_one_line_error(p, "nope.gguf", "does not exist")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x01" * 64)
+    p = cli("generate", "--target", str(bad), "--draft", "none", "--prompt", "hi")
+    assert_one_line_error(p, "bad.gguf", "could not load")
+    p = cli("generate", "--target", "no-such-model", "--draft", "none", "--prompt", "hi")
+    assert_one_line_error(p, "unknown model 'no-such-model'")
+
+
+def test_prompt_that_does_not_fit(smollm_path):
+    p = cli("generate", "--target", SMOL, "--draft", "none", "--ctx-size", "256", "--prompt", "word " * 400)
+    assert_one_line_error(p, "the prompt has", "context holds 256")
+
+
+def test_vocabulary_mismatch(smollm_path):
+    p = cli("generate", "--target", "qwen2.5-coder-0.5b-instruct", "--draft", SMOL, "--prompt", "hi", "--quiet")
+    assert_one_line_error(p, "draft vocabulary 49152 != target vocabulary 151936")
+
+
+def test_models_list():
+    p = cli("models", "list")
+    assert p.returncode == 0
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", SMOL):
+        assert name in p.stdout

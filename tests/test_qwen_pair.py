@@ -1,0 +1,29 @@
+"""Integration on the default pair (qwen2.5-coder-1.5b target, 0.5b draft): pulls ~1.6 GB once."""
+
+from __future__ import annotations
+
+import pytest
+
+import specdecode
+
+pytestmark = pytest.mark.qwen
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    with specdecode.Decoder(progress=False) as dec:
+        yield dec
+
+
+def test_default_pair_short_generation(decoder):
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    spec, plain, report = decoder.compare(messages=messages, max_tokens=32)
+    s = spec.stats
+    assert s.completion_tokens == len(spec.token_ids) > 0
+    assert 0.0 < s.acceptance_rate <= 1.0
+    assert 1.0 <= s.mean_accepted_length <= 5.0
+    assert s.drafted == sum(s.drafted_per_position) and s.accepted == sum(s.accepted_per_position)
+    assert s.target_forward_passes < plain.stats.target_forward_passes
+    assert s.decode_tokens_per_s > 0 and s.prefill_s > 0
+    assert report["parity"]["status"] in ("exact", "near-tie"), report
+    assert "def" in spec.text
