@@ -57,6 +57,32 @@ def _last_error() -> str:
     return f" ({msg})" if msg else ""
 
 
+def extra_buffers_are_safe() -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffer types.
+
+    Repacked weights make batched forwards (verification of K drafts) much faster, but a
+    llama.cpp built with AMX support (``-march=native`` on an AMX-capable Xeon) puts
+    weights in its AMX buffer, whose matmul crashes with SIGSEGV in
+    ggml_backend_amx_mul_mat on the VMs we run on. So repack unless the library was
+    built with AMX. SPECDECODE_LLAMA_REPACK=0/1 overrides.
+    """
+    env = os.environ.get("SPECDECODE_LLAMA_REPACK")
+    if env in ("0", "1"):
+        return env == "1"
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll"):
+        if (lib_dir / name).exists():
+            try:
+                fn = ctypes.CDLL(str(lib_dir / name)).ggml_cpu_has_amx_int8
+            except (OSError, AttributeError):
+                return False
+            fn.restype = ctypes.c_int
+            return fn() == 0
+    return False
+
+
 def default_threads() -> int:
     """Cores this process may run on."""
     try:
@@ -101,10 +127,7 @@ class LlamaCppBackend:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        # Extra buffer types repack weights for AMX and other kernels; llama.cpp's AMX path
-        # crashes (SIGSEGV in ggml_backend_amx_mul_mat) on AMX-capable Xeons in VMs, so keep
-        # weights in the plain CPU buffer.
-        mparams.use_extra_bufts = False
+        mparams.use_extra_bufts = extra_buffers_are_safe()
         model = llama_cpp.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
         if not model:
             raise ModelFileError(
