@@ -13,9 +13,11 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from . import models
+from .backends.base import Backend
 from .backends.llama_cpp import LlamaCppBackend
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from .engine import GenerationResult, SpeculativeEngine
@@ -23,27 +25,58 @@ from .errors import SpecDecodeError
 from .parity import parity_report
 from .sampling import SamplingParams
 
-DRAFTER_KINDS = ("none", "ngram")
+
+BACKENDS = ("auto", "llama.cpp", "torch")
 
 
-def load_backend(name_or_path: str, n_ctx: int = 4096, n_threads: int | None = None, progress: bool = True) -> LlamaCppBackend:
-    """Resolve a registry name or .gguf path (pulling if needed) and load it on llama.cpp."""
-    path = models.resolve(name_or_path, progress=progress)
-    return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path)
+def backend_kind(name_or_path: str, backend: str = "auto") -> str:
+    """'llama.cpp' or 'torch'. auto: llama.cpp for .gguf files and registry names, torch for
+    Hugging Face folders."""
+    if backend not in BACKENDS:
+        raise SpecDecodeError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    return "torch" if Path(name_or_path).expanduser().is_dir() else "llama.cpp"
 
 
-def make_drafter(draft: str, target: LlamaCppBackend, n_ctx: int = 4096, n_threads: int | None = None,
-                 progress: bool = True) -> Drafter:
-    """'none', 'ngram', or a draft model (registry name or .gguf path) checked against the target."""
+def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = 4096, n_threads: int | None = None,
+                 dtype: str = "float32", device: str = "cpu", progress: bool = True) -> Backend:
+    """Load a model on the chosen backend.
+
+    llama.cpp: a registry name (pulled on first use) or a .gguf path.
+    torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
+    name (its cached conversion from ``specdecode models convert`` if present, else the GGUF).
+    """
+    kind = backend_kind(name_or_path, backend)
+    if kind == "llama.cpp":
+        path = models.resolve(name_or_path, progress=progress)
+        return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path)
+    from .backends.torch_backend import TorchBackend
+
+    path = Path(name_or_path).expanduser()
+    if name_or_path in models.REGISTRY:
+        folder = models.hf_folder(name_or_path, dtype)
+        path = folder if (folder / "config.json").exists() else models.resolve(name_or_path, progress=progress)
+    elif not path.is_dir():
+        models.check_gguf_file(path)
+    return TorchBackend.load(path, dtype=dtype, device=device, n_ctx=n_ctx, name=name_or_path)
+
+
+def make_drafter(draft: str, target: Backend, n_ctx: int = 4096, n_threads: int | None = None,
+                 progress: bool = True, backend: str = "auto", dtype: str = "float32",
+                 device: str = "cpu") -> Drafter:
+    """'none', 'ngram', or a draft model (registry name, .gguf path or HF folder on any
+    backend) checked against the target's vocabulary."""
     if draft == "none":
         return NoDrafter()
     if draft == "ngram":
         return NgramDrafter()
-    backend = load_backend(draft, n_ctx=n_ctx, n_threads=n_threads, progress=progress)
+    d = load_backend(draft, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype, device=device,
+                     progress=progress)
     try:
-        return ModelDrafter(backend, target=target)
+        return ModelDrafter(d, target=target)
     except SpecDecodeError:
-        backend.close()
+        d.close()
         raise
 
 
@@ -55,6 +88,8 @@ class Decoder:
         "none" (plain decoding); default qwen2.5-coder-0.5b-instruct.
     num_speculative_tokens: K, drafted tokens per step (0..32, default 4).
     n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
+    backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
+    dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
 
     Raises SpecDecodeError (and subclasses: ModelFileError, IncompatibleVocabularyError)
     with a message naming the values.
@@ -68,12 +103,18 @@ class Decoder:
         n_ctx: int = 4096,
         n_threads: int | None = None,
         progress: bool = True,
+        backend: str = "auto",
+        draft_backend: str = "auto",
+        dtype: str = "float32",
+        device: str = "cpu",
     ) -> None:
         self.target_name = target
         self.draft_name = draft
-        self.target = load_backend(target, n_ctx=n_ctx, n_threads=n_threads, progress=progress)
+        self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
+                                   device=device, progress=progress)
         try:
-            self.drafter = make_drafter(draft, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress)
+            self.drafter = make_drafter(draft, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
+                                        backend=draft_backend, dtype=dtype, device=device)
             self.engine = SpeculativeEngine(self.target, self.drafter, num_speculative_tokens)
         except BaseException:
             self.target.close()
@@ -211,6 +252,10 @@ def generate(
     num_speculative_tokens: int = 4,
     n_ctx: int = 4096,
     n_threads: int | None = None,
+    backend: str = "auto",
+    draft_backend: str = "auto",
+    dtype: str = "float32",
+    device: str = "cpu",
     **kwargs,
 ) -> GenerationResult | Iterator[str]:
     """One-shot generation: loads the models, generates, and frees them.
@@ -219,7 +264,8 @@ def generate(
     With stream=True the models stay loaded until the iterator is exhausted.
     """
     dec = Decoder(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens,
-                  n_ctx=n_ctx, n_threads=n_threads)
+                  n_ctx=n_ctx, n_threads=n_threads, backend=backend, draft_backend=draft_backend,
+                  dtype=dtype, device=device)
     if kwargs.get("stream"):
         def gen() -> Iterator[str]:
             with dec:

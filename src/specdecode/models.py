@@ -285,3 +285,51 @@ def list_models() -> list[dict]:
         rows.append({"name": spec.name, "description": spec.description, "size": spec.size,
                      "cached": p.exists(), "path": str(p)})
     return rows
+
+
+def hf_folder(name: str, dtype: str) -> Path:
+    """Where the Hugging Face conversion of registry model ``name`` in ``dtype`` is cached."""
+    return cache_dir() / "hf" / f"{name}-{dtype}"
+
+
+def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> Path:
+    """Dequantize a registry GGUF once into a cached Hugging Face folder (for the torch backend).
+
+    Loads the GGUF through transformers' GGUF support, saves model and tokenizer into a
+    temporary folder beside the destination, and renames it into place, so that an
+    interrupted conversion leaves nothing that looks complete. Returns the folder.
+    Raises SpecDecodeError for unknown names or dtypes, ModelFileError for bad files.
+    """
+    import shutil
+
+    from tqdm import tqdm
+
+    from .backends.torch_backend import DTYPES, _import_torch
+
+    if dtype not in DTYPES:
+        raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    dest = hf_folder(name, dtype)
+    if (dest / "config.json").exists():
+        return dest
+    gguf = pull(name, progress=progress)
+    torch, transformers = _import_torch()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".tmp-"))
+    bar = tqdm(total=3, desc=f"convert {name} -> {dtype}", unit="step", disable=not progress, file=sys.stderr)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bar.update(1)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+        )
+        bar.update(1)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        bar.update(1)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return dest

@@ -1,0 +1,262 @@
+"""PyTorch backend: any Hugging Face causal LM (transformers' AutoModelForCausalLM), CPU or CUDA.
+
+KV cache: a transformers StaticCache preallocated for n_ctx positions. Forward passes
+give explicit ``cache_position``s and a mask of the kv_len + N valid positions, so the
+causal mask hides every slot beyond the query's own position; rolling back is O(1):
+only the cache's length moves (no tensor is copied) and stale slots are overwritten by
+the next forward.
+
+Dimension letters: N = tokens in one forward, M = requested logit rows, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "auto")
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _import_torch():
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise SpecDecodeError(
+            f"the torch backend needs PyTorch and transformers ({e.name} is not installed): "
+            f"pip install 'specdecode[torch]'"
+        ) from None
+    return torch, transformers
+
+
+def resolve_device(device: str) -> str:
+    """'cpu', 'cuda' or 'auto' (cuda when available). Raises SpecDecodeError if cuda is absent."""
+    torch, _ = _import_torch()
+    if device not in DEVICES:
+        raise SpecDecodeError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecDecodeError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
+    return device
+
+
+class TorchBackend:
+    """A Hugging Face causal LM with a preallocated single-sequence KV cache.
+
+    Build with :meth:`load` (a Hugging Face folder or a GGUF file, dequantized by
+    transformers) or directly from a model and tokenizer already in memory.
+    model: a transformers causal LM. tokenizer: its tokenizer (needed for text; without
+    one, token i renders as "<i>"). n_ctx: positions preallocated in the cache.
+    """
+
+    def __init__(self, model, tokenizer=None, n_ctx: int = 4096, name: str = "torch-model") -> None:
+        torch, transformers = _import_torch()
+        self._torch = torch
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos:
+            n_ctx = min(n_ctx, int(max_pos))
+        if n_ctx < 2:
+            raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 2")
+        self._n_ctx = n_ctx
+        self.device = next(model.parameters()).device
+        self._cache = transformers.StaticCache(config=model.config, max_cache_len=n_ctx)
+        self._kv_len = 0
+        self._ones = torch.ones(1, n_ctx, dtype=torch.long, device=self.device)
+        self._n_vocab = int(model.get_output_embeddings().weight.shape[0])
+        self._eog = self._find_eog()
+        self._byte_decoder = self._make_byte_decoder()
+        self._special_ids = self._find_special_ids()
+        self._piece_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", n_ctx: int = 4096,
+             name: str | None = None) -> "TorchBackend":
+        """Load a Hugging Face folder, or a .gguf file through transformers' GGUF support.
+
+        dtype: float32, bfloat16 or float16. device: cpu, cuda or auto.
+        Raises ModelFileError when the files are missing or unreadable, SpecDecodeError
+        on bad options.
+        """
+        torch, transformers = _import_torch()
+        if dtype not in DTYPES:
+            raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dev = resolve_device(device)
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise ModelFileError(f"model path {path} does not exist")
+        kwargs: dict = {}
+        folder = path
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ModelFileError(f"model file {path} is neither a Hugging Face folder nor a .gguf file")
+            folder, kwargs["gguf_file"] = path.parent, path.name
+        elif not (path / "config.json").exists():
+            raise ModelFileError(f"model folder {path} has no config.json: not a Hugging Face model folder")
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, dtype=getattr(torch, dtype), **kwargs
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ModelFileError(f"transformers could not load {path}: {str(e).splitlines()[0]}") from None
+        model.to(dev)
+        return cls(model, tok, n_ctx=n_ctx, name=name or path.name)
+
+    # --- vocabulary ---------------------------------------------------------------
+    def _find_eog(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.model.config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(t) for t in src)
+        tok = self.tokenizer
+        if tok is not None:
+            if tok.eos_token_id is not None:
+                ids.add(int(tok.eos_token_id))
+            for text in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+                tid = tok.convert_tokens_to_ids(text)
+                if isinstance(tid, int) and tok.convert_ids_to_tokens(tid) == text:
+                    ids.add(tid)
+        return frozenset(i for i in ids if 0 <= i < self._n_vocab)
+
+    def _find_special_ids(self) -> frozenset[int]:
+        """Control tokens, which render as no text (as llama.cpp renders them)."""
+        tok = self.tokenizer
+        if tok is None:
+            return frozenset()
+        ids = set(tok.all_special_ids)
+        for tid, added in getattr(tok, "added_tokens_decoder", {}).items():
+            if getattr(added, "special", False):
+                ids.add(int(tid))
+        return frozenset(ids)
+
+    def _make_byte_decoder(self) -> dict[str, int] | None:
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None) or getattr(tok, "_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        if decoder is not None and "ByteLevel" in repr(decoder):
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            return {c: b for b, c in bytes_to_unicode().items()}
+        return None
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self._eog
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise SpecDecodeError(f"{self.name} has no tokenizer: pass token ids")
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    def token_text(self, token_id: int) -> bytes:
+        """The vocabulary entry as stored (byte-level form for BPE), b"" past the tokenizer."""
+        if self.tokenizer is None:
+            return f"<{token_id}>".encode()
+        t = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        return t.encode("utf-8") if t is not None else b""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._piece_cache.get(token_id)
+        if piece is not None:
+            return piece
+        tok = self.tokenizer
+        if tok is None:
+            piece = f"<{token_id}>".encode()
+        else:
+            t = tok.convert_ids_to_tokens(int(token_id))
+            if t is None or int(token_id) in self._special_ids:
+                piece = b""
+            elif self._byte_decoder is not None and all(c in self._byte_decoder for c in t):
+                piece = bytes(self._byte_decoder[c] for c in t)
+            elif m := _BYTE_TOKEN.match(t):
+                piece = bytes([int(m.group(1), 16)])
+            else:
+                piece = t.replace("\u2581", " ").encode("utf-8")
+        self._piece_cache[token_id] = piece
+        return piece
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
+        return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    # --- evaluation -------------------------------------------------------------------
+    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
+        """Append token_ids [N] at positions kv_len.. and return logits [M, V] float32 on the host.
+
+        Raises ContextOverflowError when the tokens do not fit in n_ctx.
+        """
+        torch = self._torch
+        tokens = [int(t) for t in token_ids]
+        n = len(tokens)
+        want = sorted(set(int(i) for i in logits_for))
+        if want and (want[0] < 0 or want[-1] >= n):
+            raise ValueError(f"logits_for {want} out of range for {n} tokens")
+        if self._kv_len + n > self._n_ctx:
+            raise ContextOverflowError(
+                f"{self.name}: {self._kv_len} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
+            )
+        if n == 0:
+            return np.zeros((0, self._n_vocab), dtype=np.float32)
+        if any(not (0 <= t < self._n_vocab) for t in tokens):
+            raise SpecDecodeError(f"a token id is outside the vocabulary of {self.name} ({self._n_vocab})")
+        dev = self.device
+        with torch.inference_mode():
+            ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+            pos = torch.arange(self._kv_len, self._kv_len + n, device=dev)
+            keep = torch.tensor(want if want else [n - 1], dtype=torch.long, device=dev)
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos[None],
+                cache_position=pos,
+                # Without an explicit mask, transformers skips masking for one-token queries
+                # and would attend to stale or empty slots of the static cache.
+                attention_mask=self._ones[:, : self._kv_len + n],
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+            self._kv_len += n
+            if not want:
+                return np.zeros((0, self._n_vocab), dtype=np.float32)
+            return out.logits[0].float().cpu().numpy()
+
+    def rollback(self, n: int) -> None:
+        """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a
+        negative count), and the stale slots are masked and later overwritten."""
+        if not (0 <= n <= self._kv_len):
+            raise ValueError(f"rollback to {n} outside 0..{self._kv_len}")
+        if n < self._kv_len:
+            self._cache.crop(n - self._kv_len)
+            self._kv_len = n
+
+    def close(self) -> None:
+        self._cache = None
+        self.model = None

@@ -1,0 +1,240 @@
+"""PyTorch backend: tiny random Hugging Face models built here (fixed seeds, float32, CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install -e '.[test]')")
+transformers = pytest.importorskip("transformers")
+
+from specdecode.backends.torch_backend import TorchBackend  # noqa: E402
+from specdecode.drafters import Draft, ModelDrafter, NgramDrafter, NoDrafter  # noqa: E402
+from specdecode.engine import SpeculativeEngine  # noqa: E402
+from specdecode.parity import parity_report  # noqa: E402
+from specdecode.sampling import Sampler, SamplingParams  # noqa: E402
+
+from backend_conformance import check_forward_rollback_forward, check_logits_only_where_asked  # noqa: E402
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "中文文本也可以被分词。",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def tiny(kind: str, vocab: int, seed: int):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    # Random init gives nearly flat logits; scale the head so that argmaxes are clear
+    # and distributions are peaked enough to be interesting.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def models_(tokenizer):
+    import copy
+
+    v = len(tokenizer)
+    target = tiny("llama", v, 0)
+    # A draft close to the target (overlapping support, different probabilities), as a
+    # real draft model is: the target with noise on its output head.
+    near = copy.deepcopy(target)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        near.lm_head.weight.add_(torch.randn_like(near.lm_head.weight) * near.lm_head.weight.std() * 0.7)
+    return {"llama": target, "qwen2": tiny("qwen2", v, 1), "llama_near": near}
+
+
+def backend(model, tokenizer, name):
+    return TorchBackend(model, tokenizer, n_ctx=256, name=name)
+
+
+def prompt_ids(tokenizer):
+    return tokenizer("def add(a, b):")["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_conformance(models_, tokenizer, kind):
+    b = backend(models_[kind], tokenizer, kind)
+    ids = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+    check_forward_rollback_forward(b, ids, atol=1e-4)
+    check_logits_only_where_asked(b, ids)
+
+
+def test_rollback_moves_only_the_length(models_, tokenizer):
+    b = backend(models_["llama"], tokenizer, "llama")
+    b.forward(list(range(3, 20)), logits_for=[])
+    layer = b._cache.layers[0]
+    ptr = layer.keys.data_ptr()
+    b.rollback(5)
+    assert b.kv_len == 5 and layer.keys.data_ptr() == ptr  # no reallocation, no copy
+
+
+def test_text_roundtrip(models_, tokenizer):
+    b = backend(models_["llama"], tokenizer, "llama")
+    text = "Speculative 中文 fox"
+    ids = b.tokenize(text, add_special=False)
+    assert b"".join(b.token_bytes(t) for t in ids).decode() == text
+    assert 0 in b.eog_ids
+
+
+def plain(target, ids, **kw):
+    return SpeculativeEngine(target, NoDrafter(), 0).generate(ids, record_top2_gaps=True, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("draft", ["self", "other", "ngram"])
+def test_greedy_parity(models_, tokenizer, draft, k):
+    target = backend(models_["llama"], tokenizer, "target")
+    if draft == "self":
+        drafter = ModelDrafter(backend(models_["llama"], tokenizer, "self-draft"), target=target)
+    elif draft == "other":
+        drafter = ModelDrafter(backend(models_["qwen2"], tokenizer, "qwen2-draft"), target=target)
+    else:
+        drafter = NgramDrafter()
+    ids = prompt_ids(tokenizer)
+    spec = SpeculativeEngine(target, drafter, k).generate(ids, max_tokens=40)
+    base = plain(target, ids, max_tokens=40)
+    report = parity_report(spec, base)
+    # float32 on the CPU: batched and one-token logits agree to ~1e-6, so exact parity.
+    assert report["status"] == "exact", report
+    if draft == "self":
+        assert spec.stats.acceptance_rate == 1.0
+        assert spec.stats.target_forward_passes <= -(-40 // (k + 1)) + 1
+
+
+class MislabelledDrafter:
+    """A wrong rule: samples drafts from the draft model's distribution q but reports a
+    sharpened q**2 (renormalised) as the distribution they were drawn from. (Reporting
+    one-hot would not do: accept-with-p(x)-else-resample-without-x is exact for any x.)"""
+
+    name = "mislabelled"
+
+    def __init__(self, inner: ModelDrafter):
+        self.inner = inner
+
+    def start(self, prompt_ids, sampler):
+        self.inner.start(prompt_ids, sampler)
+
+    def propose(self, context, k):
+        d = self.inner.propose(context, k)
+        sharp = d.probs ** 2
+        return Draft(d.token_ids, sharp / sharp.sum(axis=1, keepdims=True))
+
+    def observe(self, n):
+        pass
+
+    def finish(self, committed):
+        self.inner.finish(committed)
+
+
+def two_token_distribution(target, ids, params):
+    """Exact P(t1, t2) under the target's shaped distribution (top-k keeps it small)."""
+    s = Sampler(params)
+    target.rollback(0)
+    row = target.forward(ids, logits_for=[len(ids) - 1])[0]
+    p1 = s.probs(row, ids)
+    out = {}
+    for t1 in np.flatnonzero(p1):
+        target.rollback(len(ids))
+        row2 = target.forward([int(t1)], logits_for=[0])[0]
+        p2 = s.probs(row2, list(ids) + [int(t1)])
+        for t2 in np.flatnonzero(p2):
+            out[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    target.rollback(0)
+    return out
+
+
+def chi_square_p(samples, expected, n):
+    keys = sorted(expected, key=lambda k: -expected[k])
+    obs, exp = [], []
+    other_o = other_e = 0.0
+    for key in keys:
+        e = expected[key] * n
+        if e >= 5:
+            obs.append(samples.get(key, 0))
+            exp.append(e)
+        else:
+            other_o += samples.get(key, 0)
+            other_e += e
+    unexpected = sum(v for k, v in samples.items() if k not in expected)
+    obs.append(other_o + unexpected)
+    exp.append(max(other_e, 1e-9))
+    return sstats.chisquare(obs, np.array(exp) * (sum(obs) / sum(exp))).pvalue
+
+
+def sample_pairs(engine, ids, params, n, drafter=None):
+    counts: dict = {}
+    for i in range(n):
+        p = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=1000 + i)
+        r = engine.generate(ids, sampling=p, max_tokens=2, drafter=drafter)
+        assert len(r.token_ids) == 2  # eos has zero mass under this top-k at these positions
+        key = tuple(r.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def draft_rate(eng, ids, params):
+    r = eng.generate(ids, sampling=SamplingParams(temperature=1.0, top_k=4, seed=5), max_tokens=60)
+    return r.stats.acceptance_rate
+
+
+def test_sampling_distribution_matches_the_target(models_, tokenizer):
+    """Two-token continuations under speculation follow the target's shaped distribution;
+    the same harness rejects a wrong acceptance rule."""
+    target = backend(models_["llama"], tokenizer, "target")
+    ids = prompt_ids(tokenizer)
+    params = SamplingParams(temperature=1.0, top_k=4)
+    expected = two_token_distribution(target, ids, params)
+    assert 0 not in {t for pair in expected for t in pair}, "eos in the support would cut samples short"
+    assert abs(sum(expected.values()) - 1.0) < 1e-6
+    draft = ModelDrafter(backend(models_["llama_near"], tokenizer, "draft"), target=target)
+    eng = SpeculativeEngine(target, draft, 2)
+    n = 3000
+    good = sample_pairs(eng, ids, params, n)
+    p_good = chi_square_p(good, expected, n)
+    assert p_good > 1e-3, p_good
+    bad = sample_pairs(eng, ids, params, n, drafter=MislabelledDrafter(draft))
+    p_bad = chi_square_p(bad, expected, n)
+    assert p_bad < 1e-6, p_bad
+    assert 0.2 < draft_rate(eng, ids, params) < 0.95  # drafts are often, not always, accepted
+
+
+def test_cross_backend_llama_cpp_draft_for_torch_target(smollm_path, smollm_draft):
+    """smollm2: the GGUF dequantized by transformers as target on torch, the same GGUF on
+    llama.cpp as draft. Same vocabulary, so the check passes; greedy output equals plain
+    torch decoding."""
+    target = TorchBackend.load(smollm_path, dtype="float32", device="cpu", n_ctx=1024, name="smollm2 (torch)")
+    drafter = ModelDrafter(smollm_draft, target=target)  # vocabulary check across backends
+    text = target.apply_chat_template([{"role": "user", "content": "List three fruits."}])
+    ids = target.tokenize(text, add_special=False)
+    assert ids == smollm_draft.tokenize(text, add_special=False, parse_special=True)
+    spec = SpeculativeEngine(target, drafter, 4).generate(ids, max_tokens=40)
+    base = plain(target, ids, max_tokens=40)
+    report = parity_report(spec, base)
+    assert report["status"] in ("exact", "near-tie"), report
+    # The quantized draft agrees with its dequantized target most of the time.
+    assert spec.stats.acceptance_rate > 0.5, spec.stats.to_dict()
