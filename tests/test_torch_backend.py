@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from scipy import stats as sstats
@@ -16,6 +18,9 @@ from specdecode.parity import parity_report  # noqa: E402
 from specdecode.sampling import Sampler, SamplingParams  # noqa: E402
 
 from backend_conformance import check_forward_rollback_forward, check_logits_only_where_asked  # noqa: E402
+
+# benchmarks/gpu_check.sh sets this to "cuda" to run the same parity tests on a GPU.
+DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -50,7 +55,7 @@ def tiny(kind: str, vocab: int, seed: int):
     # and distributions are peaked enough to be interesting.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    return model.float().eval()
+    return model.float().to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")

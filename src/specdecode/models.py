@@ -304,7 +304,7 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
 
     from tqdm import tqdm
 
-    from .backends.torch_backend import DTYPES, _import_torch
+    from .backends.torch_backend import DTYPES, _import_torch, gguf_dequantize_config
 
     if dtype not in DTYPES:
         raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -320,7 +320,8 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
         tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update(1)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype),
+            quantization_config=gguf_dequantize_config(gguf),
         )
         bar.update(1)
         model.save_pretrained(tmp)

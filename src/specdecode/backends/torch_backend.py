@@ -48,6 +48,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def gguf_dequantize_config(path: Path):
+    """transformers config that unpacks every GGUF weight into a dense tensor at load time
+    (newer transformers otherwise keep GGUF blocks packed behind custom kernels)."""
+    _, transformers = _import_torch()
+    cfg = getattr(transformers, "GgufConfig", None)
+    return cfg(gguf_file=str(path), dequantize=True) if cfg is not None else None
+
+
 class TorchBackend:
     """A Hugging Face causal LM with a preallocated single-sequence KV cache.
 
@@ -101,10 +109,11 @@ class TorchBackend:
             if path.suffix.lower() != ".gguf":
                 raise ModelFileError(f"model file {path} is neither a Hugging Face folder nor a .gguf file")
             folder, kwargs["gguf_file"] = path.parent, path.name
+            kwargs["quantization_config"] = gguf_dequantize_config(path)
         elif not (path / "config.json").exists():
             raise ModelFileError(f"model folder {path} has no config.json: not a Hugging Face model folder")
         try:
-            tok = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
+            tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=kwargs.get("gguf_file"))
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, dtype=getattr(torch, dtype), **kwargs
             )
