@@ -11,7 +11,7 @@ pytestmark = pytest.mark.qwen
 
 @pytest.fixture(scope="module")
 def decoder():
-    with specdecode.Decoder(progress=False) as dec:
+    with specdecode.Decoder(num_speculative_tokens=4, progress=False) as dec:
         yield dec
 
 
@@ -27,3 +27,14 @@ def test_default_pair_short_generation(decoder):
     assert s.decode_tokens_per_s > 0 and s.prefill_s > 0
     assert report["parity"]["status"] in ("exact", "near-tie"), report
     assert "def" in spec.text
+
+
+def test_auto_controller_is_lossless_and_reports_its_choices():
+    with specdecode.Decoder(draft="auto", num_speculative_tokens="auto", progress=False) as dec:
+        text = "Return this code unchanged:\ndef add(a, b):\n    return a + b\n"
+        spec, plain, report = dec.compare(messages=[{"role": "user", "content": text}], max_tokens=32)
+        assert report["parity"]["status"] in ("exact", "near-tie"), report
+        s = spec.stats
+        assert sum(s.k_histogram.values()) == s.target_forward_passes
+        assert all(0 <= int(k) <= 8 for k in s.k_histogram)
+        assert sum(dec.drafter.choices.values()) >= s.target_forward_passes - 1

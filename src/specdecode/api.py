@@ -80,13 +80,50 @@ def make_drafter(draft: str, target: Backend, n_ctx: int = 4096, n_threads: int 
         raise
 
 
+AUTO_KMAX = 8
+QWEN_VOCAB = 151936
+NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context, negligible next to a forward
+
+
+def make_controller(draft: str, target: Backend, kmax: int = 8, n_ctx: int = 4096, n_threads: int | None = None,
+                    progress: bool = True, backend: str = "auto", dtype: str = "float32",
+                    device: str = "cpu") -> Drafter:
+    """The cost-aware controller over the drafters that ``draft`` names.
+
+    draft: "auto" (n-gram lookup and the default draft model), "ngram", "none" (plain), or
+    a draft model. Measures the target's verification curve T(1..kmax+1) and the draft
+    model's cost per token once per model and machine (cached under the model cache).
+    """
+    from .controller import SpeculationController, Source
+    from .costmodel import cached_forward_curve
+
+    if draft == "none":
+        return NoDrafter()
+    curve = cached_forward_curve(target, list(range(1, kmax + 2)), models.cache_dir())
+    sources = []
+    if draft in ("auto", "ngram"):
+        sources.append(Source(NgramDrafter(), NGRAM_COST_S))
+    # "auto" adds the default draft model only for targets that share its vocabulary
+    # (the Qwen2.5 family); other targets get n-gram lookup alone.
+    if draft == "auto" and target.n_vocab != QWEN_VOCAB:
+        return SpeculationController(sources, curve, kmax=kmax)
+    if draft != "ngram":
+        model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
+                             n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device)
+        cost = cached_forward_curve(model.backend, [1], models.cache_dir())(1)
+        sources.append(Source(model, cost))
+    return SpeculationController(sources, curve, kmax=kmax)
+
+
 class Decoder:
     """A target and a drafter loaded once, for many generations.
 
     target: registry name or .gguf path (default qwen2.5-coder-1.5b-instruct).
-    draft: registry name or .gguf path of a draft model, "ngram" (prompt lookup) or
-        "none" (plain decoding); default qwen2.5-coder-0.5b-instruct.
-    num_speculative_tokens: K, drafted tokens per step (0..32, default 4).
+    draft: registry name or .gguf path of a draft model, "ngram" (prompt lookup), "none"
+        (plain decoding) or "auto" (n-gram lookup when it matches, else the default draft
+        model when it pays, else plain); default qwen2.5-coder-0.5b-instruct.
+    num_speculative_tokens: K, drafted tokens per step (0..32), or "auto" (default): the
+        cost-aware controller chooses K in 0..8 each step (:mod:`specdecode.controller`).
     n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
@@ -99,7 +136,7 @@ class Decoder:
         self,
         target: str = models.DEFAULT_TARGET,
         draft: str = models.DEFAULT_DRAFT,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int | str = "auto",
         n_ctx: int = 4096,
         n_threads: int | None = None,
         progress: bool = True,
@@ -113,18 +150,32 @@ class Decoder:
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                    device=device, progress=progress)
         try:
-            self.drafter = make_drafter(draft, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
-                                        backend=draft_backend, dtype=dtype, device=device)
-            self.engine = SpeculativeEngine(self.target, self.drafter, num_speculative_tokens)
+            opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
+                        device=device)
+            if num_speculative_tokens == "auto":
+                self.drafter = make_controller(draft, self.target, kmax=AUTO_KMAX, **opts)
+                k = AUTO_KMAX
+            elif draft == "auto":
+                raise SpecDecodeError("--draft auto needs --num-speculative-tokens auto")
+            elif isinstance(num_speculative_tokens, int) and not isinstance(num_speculative_tokens, bool):
+                self.drafter = make_drafter(draft, self.target, **opts)
+                k = num_speculative_tokens
+            else:
+                raise SpecDecodeError(
+                    f"num_speculative_tokens = {num_speculative_tokens!r}: expected an integer 0..32 or 'auto'"
+                )
+            self.engine = SpeculativeEngine(self.target, self.drafter, k)
         except BaseException:
             self.target.close()
             raise
         self._plain = NoDrafter()
 
     def close(self) -> None:
-        backend = getattr(self.drafter, "backend", None)
-        if backend is not None:
-            backend.close()
+        drafters = [s.drafter for s in getattr(self.drafter, "sources", [])] or [self.drafter]
+        for d in drafters:
+            backend = getattr(d, "backend", None)
+            if backend is not None:
+                backend.close()
         self.target.close()
 
     def __enter__(self) -> "Decoder":
@@ -249,7 +300,7 @@ def generate(
     *,
     target: str = models.DEFAULT_TARGET,
     draft: str = models.DEFAULT_DRAFT,
-    num_speculative_tokens: int = 4,
+    num_speculative_tokens: int | str = "auto",
     n_ctx: int = 4096,
     n_threads: int | None = None,
     backend: str = "auto",

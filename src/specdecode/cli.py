@@ -78,11 +78,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                    presence_penalty=args.presence_penalty, seed=args.seed)
-    if not (0 <= args.num_speculative_tokens <= 32):
-        raise SpecDecodeError(f"--num-speculative-tokens {args.num_speculative_tokens} is out of range: expected 0..32")
+    k = args.num_speculative_tokens
+    if k != "auto" and not (0 <= k <= 32):
+        raise SpecDecodeError(f"--num-speculative-tokens {k} is out of range: expected 0..32 or auto")
 
     with Decoder(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
-                 n_ctx=args.ctx_size, n_threads=args.threads, progress=not args.quiet) as dec:
+                 n_ctx=args.ctx_size, n_threads=args.threads, progress=not args.quiet, backend=args.backend,
+                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device) as dec:
         prompt = args.prompt
         if args.json or args.compare:
             if args.compare:
@@ -124,6 +126,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    if args.models_cmd == "convert":
+        for name in args.names:
+            print(models.convert_to_hf(name, dtype=args.dtype, progress=not args.quiet))
+        return 0
     if args.models_cmd == "pull":
         for name in args.names:
             path = models.pull(name, progress=not args.quiet)
@@ -140,6 +146,29 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def k_value(text: str) -> int | str:
+    """argparse type for --num-speculative-tokens: an integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer 0..32 or 'auto', got {text!r}") from None
+
+
+def add_backend_options(p: argparse.ArgumentParser) -> None:
+    """--backend, --draft-backend, --dtype, --device (shared by generate, serve and bench)."""
+    p.add_argument("--backend", choices=["auto", "llama.cpp", "torch"], default="auto",
+                   help="target backend; auto: llama.cpp for .gguf files and registry names, torch for "
+                        "Hugging Face folders (default: %(default)s)")
+    p.add_argument("--draft-backend", choices=["auto", "llama.cpp", "torch"], default="auto",
+                   help="draft model backend, as --backend")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="torch backend weights (default: %(default)s)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="torch backend device (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding of LLMs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -150,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help="a user message, rendered with the model's own chat template")
     g.add_argument("--target", default=models.DEFAULT_TARGET, help="registry name or .gguf path (default: %(default)s)")
     g.add_argument("--draft", default=models.DEFAULT_DRAFT,
-                   help="registry name, .gguf path, 'ngram' (prompt lookup) or 'none' (default: %(default)s)")
-    g.add_argument("--num-speculative-tokens", "-k", type=int, default=4, help="K, drafted tokens per step (0..32)")
+                   help="registry name, .gguf path, 'ngram' (prompt lookup), 'none' (plain decoding) or 'auto' "
+                        "(n-gram when it matches, else the default draft model when it pays) (default: %(default)s)")
+    g.add_argument("--num-speculative-tokens", "-k", type=k_value, default="auto",
+                   help="K, drafted tokens per step (0..32), or 'auto': chosen each step from measured costs "
+                        "(default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -170,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ctx-size", type=int, default=4096, help="context window in tokens")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_backend_options(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list or pull registry models")
@@ -181,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("names", nargs="+", choices=list(models.REGISTRY), metavar="NAME")
     mp.add_argument("--quiet", action="store_true")
     mp.set_defaults(func=cmd_models)
+    mc = msub.add_parser("convert", help="dequantize a registry GGUF once into a cached Hugging Face folder "
+                                         "(for --backend torch)")
+    mc.add_argument("names", nargs="+", choices=list(models.REGISTRY), metavar="NAME")
+    mc.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    mc.add_argument("--quiet", action="store_true")
+    mc.set_defaults(func=cmd_models)
+
+    from .bench import add_bench_parser
+    from .server import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return p
 
 

@@ -11,7 +11,7 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -120,6 +120,10 @@ class ModelDrafter:
             check_vocab_compatible(backend, target)
         self._cached: list[int] = []
         self._sampler: Sampler | None = None
+        # keep_drafting(i, p_cum) -> bool: asked before drafting token i+1 (i >= 1 drafted
+        # so far) with p_cum the product of the draft model's top probabilities; set by the
+        # cost-aware controller to stop drafting when further tokens will not pay.
+        self.keep_drafting: Callable[[int, float], bool] | None = None
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         self._sampler = sampler
@@ -143,15 +147,22 @@ class ModelDrafter:
         rows: list[np.ndarray] = []
         logits = self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0]
         self._cached.extend(context[keep:])
+        p_cum = 1.0
         for i in range(k):
             if sampler.params.greedy:
                 tok = sampler.argmax(logits, history)
+                if self.keep_drafting is not None:
+                    z = logits - logits.max()
+                    p_cum *= float(1.0 / np.exp(z).sum())
             else:
                 q = sampler.probs(logits, history)
                 tok = sampler.sample(q)
                 rows.append(q)
+                p_cum *= float(q.max())
             drafts.append(tok)
             history.append(tok)
+            if i + 1 < k and self.keep_drafting is not None and not self.keep_drafting(i + 1, p_cum):
+                break
             if i + 1 < k:
                 logits = self.backend.forward([tok], logits_for=[0])[0]
                 self._cached.append(tok)

@@ -231,6 +231,8 @@ class SpeculativeEngine:
                 drafter.observe(result.num_accepted)
 
                 delta, stopped = text.add([target.token_bytes(t) for t in new])
+                if new and not emitted:
+                    stats.first_token_s = time.perf_counter() - t0
                 emitted.extend(new)
                 draft_pos.extend(j if j < n_acc else -1 for j in range(len(new)))
                 for j, tok in enumerate(new):
@@ -256,6 +258,7 @@ class SpeculativeEngine:
                     yield delta
                 if stopped or eog_hit:
                     finish_reason = "stop"
+                    stats.eog_committed = int(eog_hit and not stopped)
                     break
         finally:
             # Nothing after the stop point stays in a cache: keep exactly the emitted text's prefix.

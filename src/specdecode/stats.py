@@ -21,6 +21,7 @@ class Stats:
         (0-based) was accepted / drafted; their ratio is per-position acceptance.
     k_histogram: number of decode steps that drafted k tokens, by k.
     prefill_s: time to fill the target's cache with the prompt.
+    first_token_s: time from the start of the call to the first committed token.
     decode_s: time from the end of prefill to the last committed token.
     draft_s, verify_s: parts of decode_s spent drafting and in target forward plus
         acceptance.
@@ -34,7 +35,9 @@ class Stats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     k_histogram: Counter = field(default_factory=Counter)
+    eog_committed: int = 0  # 1 when the target's end-of-generation token ended the output
     prefill_s: float = 0.0
+    first_token_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -46,8 +49,10 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per target forward pass (plain decoding = 1.0)."""
-        return self.completion_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+        """Tokens committed per target forward pass (plain decoding = 1.0); an end-of-generation
+        token counts as committed though it is not emitted."""
+        committed = self.completion_tokens + self.eog_committed
+        return committed / self.target_forward_passes if self.target_forward_passes else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -87,6 +92,7 @@ class Stats:
             "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
             "target_forward_passes": self.target_forward_passes,
             "prefill_s": round(self.prefill_s, 4),
+            "first_token_s": round(self.first_token_s, 4),
             "decode_s": round(self.decode_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),

@@ -1,0 +1,63 @@
+"""specdecode bench runs end to end on the small model and writes well-formed output.
+(A smoke test of the harness; speed claims live in the README, measured by the bench.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdecode.bench import CATEGORIES, load_prompts, parse_config
+from specdecode.errors import SpecDecodeError
+
+
+def test_builtin_suite_has_eight_prompts_per_category():
+    prompts = load_prompts(None)
+    for cat in CATEGORIES:
+        assert sum(p.category == cat for p in prompts) >= 8, cat
+    assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_bad_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"category": "chat", "prompt": "hi"}\n{not json}\n')
+    with pytest.raises(SpecDecodeError, match=r"line 2: not valid JSON"):
+        load_prompts(f)
+    f.write_text('{"category": "chat", "prompt": "hi", "messages": []}\n')
+    with pytest.raises(SpecDecodeError, match="exactly one of"):
+        load_prompts(f)
+    with pytest.raises(SpecDecodeError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_parse_config():
+    assert parse_config("ngram:4") == ("ngram", 4)
+    assert parse_config("auto") == ("auto", "auto")
+    with pytest.raises(SpecDecodeError, match="K = 40"):
+        parse_config("ngram:40")
+
+
+def test_bench_json_and_outputs(smollm_path, tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [sys.executable, "-m", "specdecode", "bench", "--target", "smollm2-135m-instruct",
+         "--prompts", "tests/data/tiny_suite.jsonl", "--config", "ngram:3", "--config", "auto:auto",
+         "--out", str(out), "--json", "--quiet"],
+        capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert set(res["summary"]) == {"ngram:3", "auto:auto"}
+    for cfg, per in res["summary"].items():
+        assert {"code_editing", "chat", "overall"} <= set(per)
+        o = per["overall"]
+        assert o["prompts"] == 3
+        assert o["plain_decode_tokens_per_s"] > 0 and o["speedup"] > 0
+        assert 0.0 <= o["acceptance_rate"] <= 1.0 and o["mean_accepted_length"] > 0
+        assert sum(o["parity"].values()) == 3 and o["parity"]["divergent"] == 0
+    assert len(res["rows"]) == 6 and res["meta"]["peak_rss_mb"] > 0
+    for name in ("results.json", "results.md", "speedup_by_category.png", "acceptance_by_position.png",
+                 "tokens_per_s_vs_k.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "speedup_by_category.png").read_bytes()[:4] == b"\x89PNG"
