@@ -196,41 +196,14 @@ class Decoder:
             raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}")
         return self.target.tokenize(prompt, add_special=True, parse_special=True)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        stream: bool = False,
-        plain: bool = False,
-        num_speculative_tokens: int | None = None,
-        record_top2_gaps: bool = False,
-    ) -> GenerationResult | Iterator[str]:
-        """Generate from a prompt or chat messages.
+    def generate(self, prompt: str | None = None, *, stream: bool = False, **options) -> GenerationResult | Iterator[str]:
+        """Generate from a prompt or chat messages (``messages=``); options as :meth:`stream`.
 
         Returns a GenerationResult (text, token_ids, finish_reason, logprobs, stats), or
         with stream=True an iterator of text deltas (whole UTF-8 characters) that
-        concatenate to the final text; the iterator's ``result`` is not exposed, use
-        :meth:`stream` to get it. plain=True decodes without a drafter (the baseline).
+        concatenate to the final text (use :meth:`stream` to also get the result).
         """
-        gen = self.stream(
-            prompt, messages=messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, seed=seed, stop=stop,
-            logprobs=logprobs, plain=plain, num_speculative_tokens=num_speculative_tokens,
-            record_top2_gaps=record_top2_gaps,
-        )
+        gen = self.stream(prompt, **options)
         if stream:
             return (item for item in gen if isinstance(item, str))
         result = None
@@ -260,7 +233,17 @@ class Decoder:
         num_speculative_tokens: int | None = None,
         record_top2_gaps: bool = False,
     ) -> Iterator[str | GenerationResult]:
-        """Like :meth:`generate` but yields text deltas and, last, the GenerationResult."""
+        """Yield text deltas as tokens are committed and, last, the GenerationResult.
+
+        prompt / messages: a raw prompt or OpenAI-style chat messages (exactly one).
+        max_tokens: exact cap (>= 1). temperature 0 is greedy; top_p, top_k, min_p and the
+        penalties shape target and draft distributions alike (see SamplingParams). seed:
+        same seed, same output. stop: string(s) that end the output (excluded from it).
+        logprobs: N most likely tokens per emitted token. plain: decode without the
+        drafter (the baseline). num_speculative_tokens: override K for this call.
+        record_top2_gaps: record the target's top-2 logit gap per token (parity reports).
+        Raises SpecDecodeError (with the values) for bad options or prompts that do not fit.
+        """
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,

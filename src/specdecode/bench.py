@@ -154,7 +154,8 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
 def markdown(summary: dict, meta: dict) -> str:
     lines = [f"# specdecode bench: {meta['target']}", "",
              f"{meta['prompts']} prompts, temperature {meta['temperature']}, {meta['threads']} threads, "
-             f"peak RSS {meta['peak_rss_mb']:.0f} MB", ""]
+             f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer loads, {meta['peak_rss_mb']:.0f} MB in all",
+             f"peer: {meta.get('peer')}", ""]
     for cfg, per in summary.items():
         lines += [f"## {cfg}", "",
                   "| category | decode tok/s | plain tok/s | speedup | acceptance | mean accepted length | "
@@ -253,7 +254,11 @@ class PromptLookupPeer:
 
         llama_cpp.llama_model_default_params = params
         try:
+            # logits_all=True: with a draft model Llama evaluates many positions per call, but
+            # sizes its score buffer from this argument (n_batch rows otherwise, which
+            # overflows on prompts longer than n_batch).
             self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                             logits_all=True,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens), verbose=False)
         finally:
             llama_cpp.llama_model_default_params = default_params
@@ -274,6 +279,7 @@ class PromptLookupPeer:
 def run_bench(args) -> dict:
     from . import models
     from .api import AUTO_KMAX, Decoder, make_controller, make_drafter
+    from .backends.llama_cpp import LlamaCppBackend
     from .engine import SpeculativeEngine
     from .parity import parity_report
     from .sampling import SamplingParams
@@ -316,14 +322,33 @@ def run_bench(args) -> dict:
 
     from tqdm import tqdm
 
+    rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
+    peer, peer_note = None, None
+    if args.peer and isinstance(target, LlamaCppBackend):
+        try:
+            # The peer keeps an n_ctx x vocabulary score buffer; 2048 positions hold every
+            # built-in prompt with its answer.
+            peer = PromptLookupPeer(models.resolve(args.target), min(args.ctx_size, 2048), target.n_threads)
+            peer.run(w, 8)
+            peer_note = "llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens=10), temperature 0"
+        except Exception as e:  # a peer that cannot run is reported, not fatal
+            peer, peer_note = None, f"llama-cpp-python prompt lookup not run: {type(e).__name__}: {e}"
+
     rows = []
-    bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=args.quiet, file=sys.stderr)
+    bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=args.quiet, file=sys.stderr,
+               mininterval=5)
     for p in prompts:
         ids = ids_of(p)
         plain = plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True)
         bar.update(1)
         ps = plain.stats
         plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
+        peer_rate = None
+        if peer is not None:
+            try:
+                peer_rate = peer.run(ids, p.max_tokens)[1]
+            except Exception as e:  # one failed peer run must not lose the benchmark
+                peer_note = f"{peer_note}; failed on {p.id}: {type(e).__name__}: {e}"
         for name, eng in engines.items():
             r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens)
             bar.update(1)
@@ -337,28 +362,16 @@ def run_bench(args) -> dict:
                 "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position,
                 "k_histogram": {str(k): v for k, v in s.k_histogram.items()},
                 "parity": parity_report(r, plain)["status"] if params.greedy else "n/a",
+                "peer_tokens_per_s": peer_rate,
             })
     bar.close()
-    rss = peak_rss_mb()
+    rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
 
-    peer_note = None
-    if args.peer and dec.target.__class__.__name__ == "LlamaCppBackend":
-        try:
-            peer = PromptLookupPeer(models.resolve(args.target), args.ctx_size, target.n_threads)
-        except Exception as e:  # a peer that cannot run is reported, not fatal
-            peer_note = f"llama-cpp-python prompt lookup not run: {type(e).__name__}: {e}"
-        else:
-            peer.run(w, 8)
-            by_id = {}
-            for p in tqdm(prompts, desc="peer", disable=args.quiet, file=sys.stderr):
-                by_id[p.id] = peer.run(ids_of(p), p.max_tokens)[1]
-            for r in rows:
-                r["peer_tokens_per_s"] = by_id[r["id"]]
-            peer_note = "llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens=10), temperature 0"
-            del peer
+    del peer
     dec.close()
     meta = {"target": args.target, "prompts": len(prompts), "temperature": args.temperature,
             "threads": target.n_threads if hasattr(target, "n_threads") else None, "peak_rss_mb": round(rss, 1),
+            "rss_before_peer_mb": round(rss_specdecode, 1),
             "configs": names, "peer": peer_note, "prompts_file": str(args.prompts or "built-in suite")}
     summary = summarize(rows, names)
     return {"meta": meta, "summary": summary, "rows": rows}
@@ -367,7 +380,9 @@ def run_bench(args) -> dict:
 def print_table(result: dict, file=sys.stdout) -> None:
     meta = result["meta"]
     print(f"target {meta['target']}, {meta['prompts']} prompts, temperature {meta['temperature']}, "
-          f"peak RSS {meta['peak_rss_mb']:.0f} MB", file=file)
+          f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer, {meta['peak_rss_mb']:.0f} MB in all", file=file)
+    if meta.get("peer"):
+        print(f"peer: {meta['peer']}", file=file)
     for cfg, per in result["summary"].items():
         print(f"\n{cfg}", file=file)
         print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'accept':>7} {'len':>5} "

@@ -142,7 +142,7 @@ class ModelDrafter:
         self._cached = list(context[:keep])
         assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
 
-        history = list(context)
+        history = list(context) if sampler.params.has_penalties else []
         drafts: list[int] = []
         rows: list[np.ndarray] = []
         logits = self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0]
@@ -160,7 +160,8 @@ class ModelDrafter:
                 rows.append(q)
                 p_cum *= float(q.max())
             drafts.append(tok)
-            history.append(tok)
+            if sampler.params.has_penalties:
+                history.append(tok)
             if i + 1 < k and self.keep_drafting is not None and not self.keep_drafting(i + 1, p_cum):
                 break
             if i + 1 < k:

@@ -203,13 +203,13 @@ class SpeculativeEngine:
                 stats.draft_s += tv - ts
 
                 logits = target.forward([committed[-1]] + draft_ids, logits_for=range(k + 1))  # [k+1, V]
+                # Position i is scored after the committed tokens and drafts[:i] (penalties only).
+                hist = (lambda i: committed + draft_ids[:i]) if sampling.has_penalties else (lambda i: ())
                 if sampling.greedy:
-                    choice = [sampler.argmax(logits[i], committed + draft_ids[:i]) for i in range(k + 1)]
+                    choice = [sampler.argmax(logits[i], hist(i)) for i in range(k + 1)]
                     result = verify_greedy(draft_ids, choice)
                 else:
-                    target_probs = np.stack(
-                        [sampler.probs(logits[i], committed + draft_ids[:i]) for i in range(k + 1)]
-                    )  # [k+1, V]
+                    target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
                     result = verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
                 stats.verify_s += time.perf_counter() - tv
 

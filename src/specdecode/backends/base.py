@@ -15,6 +15,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..errors import ContextOverflowError, SpecDecodeError
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -62,3 +64,55 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Free the model and its context."""
+
+
+class BackendBase:
+    """Shared state and argument checks of the concrete backends (subclasses set
+    _n_vocab, _n_ctx, _kv_len, _eog and name)."""
+
+    name: str
+    _n_vocab: int
+    _n_ctx: int
+    _kv_len: int
+    _eog: frozenset[int]
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self._eog
+
+    def _check_forward(self, tokens: Sequence[int], logits_for: Sequence[int]) -> list[int]:
+        """Validate a forward call; returns the requested rows, sorted and unique.
+
+        Raises ValueError for rows outside the tokens, ContextOverflowError when the tokens
+        do not fit, SpecDecodeError for ids outside the vocabulary.
+        """
+        n = len(tokens)
+        want = sorted(set(int(i) for i in logits_for))
+        if want and (want[0] < 0 or want[-1] >= n):
+            raise ValueError(f"logits_for {want} out of range for {n} tokens")
+        if self._kv_len + n > self._n_ctx:
+            raise ContextOverflowError(
+                f"{self.name}: {self._kv_len} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
+            )
+        bad = [t for t in tokens if not (0 <= t < self._n_vocab)]
+        if bad:
+            raise SpecDecodeError(f"token id {bad[0]} is outside the vocabulary of {self.name} ({self._n_vocab})")
+        return want
+
+    def _check_rollback(self, n: int) -> bool:
+        """Validate a rollback to n; True when there is anything to drop."""
+        if not (0 <= n <= self._kv_len):
+            raise ValueError(f"rollback to {n} outside 0..{self._kv_len}")
+        return n < self._kv_len

@@ -19,8 +19,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
+from ..errors import ModelFileError, SpecDecodeError
+from .base import BackendBase
 
+MAX_OUTPUT_ROWS = 64  # most logit rows one llama_decode may return
 _BACKEND_READY = False
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds a raw pointer to it
 _RECENT_ERRORS: "collections.deque[str]" = collections.deque(maxlen=8)
@@ -91,7 +93,7 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(BackendBase):
     """One GGUF model with a single-sequence KV cache, on llama.cpp.
 
     path: GGUF file. n_ctx: context window in tokens (default 4096, capped at the
@@ -147,6 +149,9 @@ class LlamaCppBackend:
         cparams.n_batch = self._n_batch
         cparams.n_ubatch = self._n_batch
         cparams.n_seq_max = 1
+        # Logit rows per ubatch: verification needs K+1 <= 33 rows, never n_batch of them.
+        if hasattr(cparams, "n_outputs_max"):
+            cparams.n_outputs_max = MAX_OUTPUT_ROWS
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -166,22 +171,6 @@ class LlamaCppBackend:
         self._piece_cache: dict[int, bytes] = {}
 
     # --- vocabulary ---------------------------------------------------------------
-    @property
-    def n_vocab(self) -> int:
-        return self._n_vocab
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def kv_len(self) -> int:
-        return self._kv_len
-
-    @property
-    def eog_ids(self) -> frozenset[int]:
-        return self._eog
-
     @property
     def bos_id(self) -> int | None:
         t = int(self._lib.llama_vocab_bos(self._vocab))
@@ -249,7 +238,12 @@ class LlamaCppBackend:
             eos_token=self.token_text(eos).decode("utf-8", "replace") if eos >= 0 else "",
             bos_token=self.token_text(bos).decode("utf-8", "replace") if bos is not None else "",
         )
-        return fmt(messages=list(messages)).prompt
+        import jinja2
+
+        try:
+            return fmt(messages=list(messages)).prompt
+        except jinja2.TemplateError as e:
+            raise SpecDecodeError(f"the chat template of {self.name} rejected the messages: {e}") from None
 
     @property
     def add_bos(self) -> bool:
@@ -263,15 +257,11 @@ class LlamaCppBackend:
         n_batch-sized llama_decode calls. Raises ContextOverflowError when the tokens do
         not fit, SpecDecodeError when llama.cpp reports a failure.
         """
-        tokens = list(token_ids)
-        want = sorted(set(int(i) for i in logits_for))
+        tokens = [int(t) for t in token_ids]
+        want = self._check_forward(tokens, logits_for)
         n = len(tokens)
-        if want and (want[0] < 0 or want[-1] >= n):
-            raise ValueError(f"logits_for {want} out of range for {n} tokens")
-        if self._kv_len + n > self._n_ctx:
-            raise ContextOverflowError(
-                f"{self.name}: {self._kv_len} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
-            )
+        if len(want) > MAX_OUTPUT_ROWS:
+            raise SpecDecodeError(f"{self.name}: {len(want)} logit rows asked for, at most {MAX_OUTPUT_ROWS} per call")
         out = np.empty((len(want), self._n_vocab), dtype=np.float32)
         want_set = set(want)
         row = 0
@@ -281,8 +271,6 @@ class LlamaCppBackend:
             chunk = tokens[start : start + self._n_batch]
             rows_here = []
             for j, tok in enumerate(chunk):
-                if not (0 <= tok < self._n_vocab):
-                    raise SpecDecodeError(f"token id {tok} is outside the vocabulary of {self.name} ({self._n_vocab})")
                 b.token[j] = tok
                 b.pos[j] = self._kv_len + j
                 b.n_seq_id[j] = 1
@@ -306,9 +294,7 @@ class LlamaCppBackend:
 
     def rollback(self, n: int) -> None:
         """Drop cached positions >= n (llama_memory_seq_rm over [n, end))."""
-        if not (0 <= n <= self._kv_len):
-            raise ValueError(f"rollback to {n} outside 0..{self._kv_len}")
-        if n < self._kv_len:
+        if self._check_rollback(n):
             if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
                 raise SpecDecodeError(f"{self.name}: llama.cpp cannot roll back this model's cache to {n}")
             self._kv_len = n

@@ -17,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
+from ..errors import ModelFileError, SpecDecodeError
+from .base import BackendBase
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
@@ -56,7 +57,40 @@ def gguf_dequantize_config(path: Path):
     return cfg(gguf_file=str(path), dequantize=True) if cfg is not None else None
 
 
-class TorchBackend:
+def _prefix_static_cache(transformers, config, n_ctx: int):
+    """A StaticCache whose full-attention layers attend only to the filled prefix.
+
+    transformers' StaticLayer returns (and masks) all n_ctx slots every step, so attention
+    costs O(n_ctx) however short the text. Here each layer keeps a Python-int length (no
+    device sync), returns views of the first length slots, and sizes the mask to match.
+    Storage stays preallocated; rollback still only moves the length (crop).
+    """
+    from transformers.cache_utils import StaticLayer
+
+    class PrefixStaticLayer(StaticLayer):
+        def __init__(self, max_cache_len: int) -> None:
+            super().__init__(max_cache_len=max_cache_len)
+            self.length = 0
+
+        def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+            n = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
+            return self.length + n, 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            self.length += key_states.shape[-2]
+            return keys[:, :, : self.length], values[:, :, : self.length]
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            self.length -= abs(tokens_to_remove)
+
+    cache = transformers.StaticCache(config=config, max_cache_len=n_ctx)
+    cache.layers = [PrefixStaticLayer(n_ctx) if type(layer) is StaticLayer else layer for layer in cache.layers]
+    return cache
+
+
+class TorchBackend(BackendBase):
     """A Hugging Face causal LM with a preallocated single-sequence KV cache.
 
     Build with :meth:`load` (a Hugging Face folder or a GGUF file, dequantized by
@@ -78,7 +112,7 @@ class TorchBackend:
             raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 2")
         self._n_ctx = n_ctx
         self.device = next(model.parameters()).device
-        self._cache = transformers.StaticCache(config=model.config, max_cache_len=n_ctx)
+        self._cache = _prefix_static_cache(transformers, model.config, n_ctx)
         self._kv_len = 0
         self._ones = torch.ones(1, n_ctx, dtype=torch.long, device=self.device)
         self._n_vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -162,22 +196,6 @@ class TorchBackend:
             return {c: b for b, c in bytes_to_unicode().items()}
         return None
 
-    @property
-    def n_vocab(self) -> int:
-        return self._n_vocab
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def kv_len(self) -> int:
-        return self._kv_len
-
-    @property
-    def eog_ids(self) -> frozenset[int]:
-        return self._eog
-
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise SpecDecodeError(f"{self.name} has no tokenizer: pass token ids")
@@ -225,17 +243,9 @@ class TorchBackend:
         torch = self._torch
         tokens = [int(t) for t in token_ids]
         n = len(tokens)
-        want = sorted(set(int(i) for i in logits_for))
-        if want and (want[0] < 0 or want[-1] >= n):
-            raise ValueError(f"logits_for {want} out of range for {n} tokens")
-        if self._kv_len + n > self._n_ctx:
-            raise ContextOverflowError(
-                f"{self.name}: {self._kv_len} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
-            )
+        want = self._check_forward(tokens, logits_for)
         if n == 0:
             return np.zeros((0, self._n_vocab), dtype=np.float32)
-        if any(not (0 <= t < self._n_vocab) for t in tokens):
-            raise SpecDecodeError(f"a token id is outside the vocabulary of {self.name} ({self._n_vocab})")
         dev = self.device
         with torch.inference_mode():
             ids = torch.tensor([tokens], dtype=torch.long, device=dev)
@@ -260,9 +270,7 @@ class TorchBackend:
     def rollback(self, n: int) -> None:
         """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a
         negative count), and the stale slots are masked and later overwritten."""
-        if not (0 <= n <= self._kv_len):
-            raise ValueError(f"rollback to {n} outside 0..{self._kv_len}")
-        if n < self._kv_len:
+        if self._check_rollback(n):
             self._cache.crop(n - self._kv_len)
             self._kv_len = n
 
