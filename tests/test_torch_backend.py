@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-torch = pytest.importorskip("torch", reason="the torch backend tests need PyTorch (pip install -e '.[test]')")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (a test dependency: pip install -e '.[test]')
+import transformers
 
-from specdecode.backends.torch_backend import TorchBackend  # noqa: E402
-from specdecode.drafters import Draft, ModelDrafter, NgramDrafter, NoDrafter  # noqa: E402
-from specdecode.engine import SpeculativeEngine  # noqa: E402
-from specdecode.parity import parity_report  # noqa: E402
-from specdecode.sampling import Sampler, SamplingParams  # noqa: E402
+from specdecode.backends.torch_backend import TorchBackend
+from specdecode.drafters import Draft, ModelDrafter, NgramDrafter, NoDrafter
+from specdecode.engine import SpeculativeEngine
+from specdecode.parity import parity_report
+from specdecode.sampling import Sampler, SamplingParams
 
-from backend_conformance import check_forward_rollback_forward, check_logits_only_where_asked  # noqa: E402
+from backend_conformance import check_forward_rollback_forward, check_logits_only_where_asked
 
 # benchmarks/gpu_check.sh sets this to "cuda" to run the same parity tests on a GPU.
 DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE", "cpu")
