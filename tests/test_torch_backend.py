@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-import torch  # noqa: E402  (a test dependency: pip install -e '.[test]')
+import torch  # a test dependency (pip install -e '.[test]')
 import transformers
 
 from specdecode.backends.torch_backend import TorchBackend
