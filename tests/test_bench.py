@@ -61,3 +61,15 @@ def test_bench_json_and_outputs(smollm_path, tmp_path):
                  "tokens_per_s_vs_k.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "speedup_by_category.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_peer_gets_our_weight_buffer_setting(smollm_path, monkeypatch):
+    """llama.cpp's AMX buffer crashes on AMX CPUs; the peer must load with the same
+    extra-buffer setting as our backend (forced off here)."""
+    from specdecode.bench import PromptLookupPeer
+
+    monkeypatch.setenv("SPECDECODE_LLAMA_REPACK", "0")
+    peer = PromptLookupPeer(smollm_path, n_ctx=512, n_threads=2)
+    assert peer.llm.model_params.use_extra_bufts is False
+    n, rate = peer.run(peer.llm.tokenize(b"def add(a, b):"), 8)
+    assert n == 8 and rate > 0

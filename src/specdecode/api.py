@@ -265,7 +265,9 @@ class Decoder:
         report of :func:`specdecode.parity.parity_report`.
         """
         kwargs.pop("plain", None)
+        self.engine.forget_prefix()
         spec = self.generate(prompt, plain=False, record_top2_gaps=True, **kwargs)
+        self.engine.forget_prefix()  # the baseline prefills too, as it would alone
         base = self.generate(prompt, plain=True, record_top2_gaps=True, **kwargs)
         report: dict = {
             "speedup": round(spec.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s, 3)

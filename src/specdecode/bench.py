@@ -236,15 +236,16 @@ class PromptLookupPeer:
     """llama-cpp-python's own prompt-lookup decoding on the same GGUF (greedy)."""
 
     def __init__(self, path: Path, n_ctx: int, n_threads: int, num_pred_tokens: int = 10):
-        import llama_cpp
+        import llama_cpp.llama_cpp as lib  # the module llama_cpp.llama.Llama calls into
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         from .backends.llama_cpp import extra_buffers_are_safe
 
         # Llama() has no option for llama.cpp's extra buffer types; give it the same
-        # setting as our backend (see extra_buffers_are_safe) for the one call.
-        default_params = llama_cpp.llama_model_default_params
+        # setting as our backend (see extra_buffers_are_safe: the AMX buffer crashes) for
+        # the one call.
+        default_params = lib.llama_model_default_params
         safe = extra_buffers_are_safe()
 
         def params():
@@ -252,7 +253,7 @@ class PromptLookupPeer:
             mp.use_extra_bufts = safe
             return mp
 
-        llama_cpp.llama_model_default_params = params
+        lib.llama_model_default_params = params
         try:
             # logits_all=True: with a draft model Llama evaluates many positions per call, but
             # sizes its score buffer from this argument (n_batch rows otherwise, which
@@ -261,19 +262,22 @@ class PromptLookupPeer:
                              logits_all=True,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens), verbose=False)
         finally:
-            llama_cpp.llama_model_default_params = default_params
+            lib.llama_model_default_params = default_params
 
     def run(self, ids: list[int], max_tokens: int) -> tuple[int, float]:
+        """Generate greedily; returns (tokens, decode tokens/s as :func:`decode_rate`)."""
         t0 = time.perf_counter()
-        first = None
+        first = last = 0.0
         n = 0
         self.llm.reset()
-        for _ in self.llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, stream=True):
+        for chunk in self.llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, stream=True):
+            if chunk["choices"][0]["finish_reason"] is not None:
+                continue  # the closing chunk carries no token
             n += 1
-            if first is None:
-                first = time.perf_counter() - t0
-        total = time.perf_counter() - t0
-        return n, decode_rate(n, first or 0.0, total)
+            last = time.perf_counter() - t0
+            if n == 1:
+                first = last
+        return n, decode_rate(n, first, last)
 
 
 def run_bench(args) -> dict:

@@ -284,6 +284,11 @@ class SpeculativeEngine:
             prompt_ids=list(prompt_ids),
         )
 
+    def forget_prefix(self) -> None:
+        """Make the next generation prefill its whole prompt (no reuse of the cached prefix),
+        e.g. so that side-by-side runs pay the same prefill."""
+        self._target_cached = []
+
     def generate(self, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
         """Run :meth:`stream` to the end and return its GenerationResult."""
         result = None

@@ -120,7 +120,7 @@ class LlamaCppBackend(BackendBase):
         self.name = name or self.path.name
         if n_ctx < 16:
             raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 16")
-        n_threads = n_threads or default_threads()
+        n_threads = default_threads() if n_threads is None else n_threads
         if n_threads < 1:
             raise SpecDecodeError(f"n_threads = {n_threads} is out of range: expected n_threads >= 1")
         self._model = None
