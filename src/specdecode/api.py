@@ -110,8 +110,8 @@ def make_controller(draft: str, target: Backend, kmax: int = 8, n_ctx: int = 409
     if draft != "ngram":
         model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
                              n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device)
-        cost = cached_forward_curve(model.backend, [1], models.cache_dir())(1)
-        sources.append(Source(model, cost))
+        draft_curve = cached_forward_curve(model.backend, [1, 64], models.cache_dir())
+        sources.append(Source(model, draft_curve(1), prefill_cost=draft_curve(64) / 64))
     return SpeculationController(sources, curve, kmax=kmax)
 
 

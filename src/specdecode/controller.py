@@ -14,6 +14,7 @@ engine's K is the cap, the controller's proposal length is the K chosen.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -21,6 +22,9 @@ from typing import Sequence
 from .costmodel import CostCurve, expected_tokens
 from .drafters import Draft, Drafter, ModelDrafter
 from .sampling import Sampler
+
+
+COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
 
 
 @dataclass
@@ -56,11 +60,20 @@ class AcceptanceEstimator:
 
 @dataclass
 class Source:
-    """One drafter the controller may use, with its cost per drafted token (seconds)."""
+    """One drafter the controller may use, with its cost per drafted token (seconds): the
+    measured value to start with, then an exponential average of what proposals cost."""
 
     drafter: Drafter
     draft_cost: float
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    probe_gap: int = 0  # plain steps before the next probe; set by the controller
+    prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
+
+    def catch_up(self, context: Sequence[int]) -> float:
+        """Seconds this drafter needs before it can draft after ``context`` (a draft model must
+        first feed every committed token it has not seen)."""
+        pending = getattr(self.drafter, "pending", None)
+        return pending(context) * self.prefill_cost if pending is not None else 0.0
 
     @property
     def name(self) -> str:
@@ -73,20 +86,28 @@ class SpeculationController:
     sources: drafters with their measured cost per token (seconds). target_cost: T(n) of
     the target, measured for n = 1 .. kmax + 1. kmax: the largest K considered.
     probe_every: after this many plain steps in a row, one short speculative step
-    refreshes the acceptance estimates (otherwise a K = 0 decision could never be undone).
+    refreshes a drafter's acceptance estimate (otherwise a K = 0 decision could never be
+    undone). A probe that fails doubles that drafter's gap (up to max_probe_gap): probing a
+    draft model costs its catch-up over the skipped tokens plus a wider verification, which
+    on a compute-bound CPU is a measurable loss when drafts keep failing.
     """
 
     name = "auto"
 
-    def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = 8, probe_every: int = 16):
+    def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = 8, probe_every: int = 16,
+                 max_probe_gap: int = 256):
         if not sources:
             raise ValueError("the controller needs at least one drafter")
         self.sources = list(sources)
         self.target_cost = target_cost
         self.kmax = kmax
         self.probe_every = probe_every
+        self.max_probe_gap = max_probe_gap
+        for s in self.sources:
+            s.probe_gap = probe_every
         self._last: Source | None = None
         self._last_k = 0
+        self._last_probe = False
         self._plain_streak = 0
         self.choices: Counter = Counter()  # (drafter name or "none") -> steps
 
@@ -99,13 +120,17 @@ class SpeculationController:
         for s in self.sources:
             s.drafter.finish(committed)
 
-    def plan(self, source: Source, cap: int) -> tuple[int, float]:
-        """Best K (0..cap) for this source and its expected rate (tokens per second)."""
+    def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None) -> tuple[int, float]:
+        """Best K (0..cap) for this source and its expected rate (tokens per second).
+
+        extra: one-off seconds this step would cost on top (a draft model's catch-up).
+        alpha: acceptance to plan with (default: the source's current estimate).
+        """
         T = self.target_cost
-        alpha = source.estimator.alpha
+        alpha = source.estimator.alpha if alpha is None else alpha
         best_k, best_rate = 0, 1.0 / T(1)
         for k in range(1, min(cap, self.kmax) + 1):
-            rate = expected_tokens(alpha, k) / (k * source.draft_cost + T(k + 1))
+            rate = expected_tokens(alpha, k) / (extra + k * source.draft_cost + T(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
@@ -114,21 +139,30 @@ class SpeculationController:
         """Try the drafters whose best K beats plain decoding, best expected rate first; the
         first non-empty draft wins (an n-gram drafter without a match gives none). k is the
         cap that the engine allows this step."""
-        self._last, self._last_k = None, 0
-        probing = self._plain_streak >= self.probe_every
+        self._last, self._last_k, self._last_probe = None, 0, False
         plans = []
         for s in self.sources:
-            kk, rate = self.plan(s, k) if k > 0 else (0, 0.0)
-            if probing and kk == 0 and k > 0:
-                kk = min(2, k)
+            extra = s.catch_up(context) if k > 0 else 0.0
+            kk, rate = self.plan(s, k, extra) if k > 0 else (0, 0.0)
+            # Probe only a drafter that could pay at all: with every draft accepted, after
+            # its catch-up. (On a CPU a draft model that lags the text never does.)
+            probe = (kk == 0 and k > 0 and self._plain_streak >= s.probe_gap
+                     and self.plan(s, k, extra, alpha=1.0)[0] > 0)
+            if probe:
+                kk, rate = min(2, k), -s.draft_cost  # cheapest probe first
             if kk > 0:
-                plans.append((rate, s, kk))
-        for _, s, kk in sorted(plans, key=lambda p: -p[0]):
+                plans.append((rate, s, kk, probe))
+        for _, s, kk, probe in sorted(plans, key=lambda p: -p[0]):
             if isinstance(s.drafter, ModelDrafter):
                 s.drafter.keep_drafting = self._continuation_rule(s)
+            t0 = time.perf_counter()
             draft = s.drafter.propose(context, kk)
             if draft.token_ids:
-                self._last, self._last_k = s, len(draft.token_ids)
+                # The measured one-token forward underestimates what drafting really costs
+                # (catching up on accepted tokens, sampling, Python): follow the observed cost.
+                per_token = (time.perf_counter() - t0) / len(draft.token_ids)
+                s.draft_cost += COST_EMA * (per_token - s.draft_cost)
+                self._last, self._last_k, self._last_probe = s, len(draft.token_ids), probe
                 self._plain_streak = 0
                 self.choices[s.name] += 1
                 return draft
@@ -149,7 +183,11 @@ class SpeculationController:
         return keep
 
     def observe(self, num_accepted: int) -> None:
-        if self._last is not None:
-            self._last.estimator.update(self._last_k, num_accepted)
-            self._last.drafter.observe(num_accepted)
+        s = self._last
+        if s is not None:
+            s.estimator.update(self._last_k, num_accepted)
+            s.drafter.observe(num_accepted)
+            if self._last_probe:
+                failed = num_accepted < self._last_k
+                s.probe_gap = min(s.probe_gap * 2, self.max_probe_gap) if failed else self.probe_every
 

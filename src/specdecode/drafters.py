@@ -128,6 +128,15 @@ class ModelDrafter:
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         self._sampler = sampler
 
+    def pending(self, context: Sequence[int]) -> int:
+        """Tokens of context this drafter would have to feed before drafting (not cached)."""
+        n = min(len(self._cached), len(context))
+        if self._cached[:n] != list(context[:n]):
+            n = 0
+            while n < len(self._cached) and n < len(context) and self._cached[n] == context[n]:
+                n += 1
+        return len(context) - n
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sampler = self._sampler
         assert sampler is not None, "start() must be called before propose()"
