@@ -20,6 +20,15 @@ from .errors import IncompatibleVocabularyError, SpecDecodeError
 from .sampling import Sampler
 
 
+def common_prefix_len(cached: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of two token lists, at most ``limit``: how much of
+    a KV cache holding ``cached`` can be kept for ``tokens``."""
+    n, end = 0, min(len(cached), len(tokens), len(tokens) if limit is None else limit)
+    while n < end and cached[n] == tokens[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class Draft:
     """token_ids: [K] drafted ids. probs: [K, V] the distribution each was drawn from, or
@@ -130,12 +139,7 @@ class ModelDrafter:
 
     def pending(self, context: Sequence[int]) -> int:
         """Tokens of context this drafter would have to feed before drafting (not cached)."""
-        n = min(len(self._cached), len(context))
-        if self._cached[:n] != list(context[:n]):
-            n = 0
-            while n < len(self._cached) and n < len(context) and self._cached[n] == context[n]:
-                n += 1
-        return len(context) - n
+        return len(context) - common_prefix_len(self._cached, context)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sampler = self._sampler
@@ -143,10 +147,7 @@ class ModelDrafter:
         k = min(k, self.backend.n_ctx - len(context))
         if k <= 0:
             return Draft([])
-        keep = 0
-        limit = min(len(self._cached), len(context) - 1)
-        while keep < limit and self._cached[keep] == context[keep]:
-            keep += 1
+        keep = common_prefix_len(self._cached, context, len(context) - 1)  # feed at least one token
         self.backend.rollback(keep)
         self._cached = list(context[:keep])
         assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
@@ -184,10 +185,7 @@ class ModelDrafter:
 
     def finish(self, committed: Sequence[int]) -> None:
         """End of a generation: drop cached tokens that are not part of the committed output."""
-        keep = 0
-        limit = min(len(self._cached), len(committed))
-        while keep < limit and self._cached[keep] == committed[keep]:
-            keep += 1
+        keep = common_prefix_len(self._cached, committed)
         self.backend.rollback(keep)
         del self._cached[keep:]
 

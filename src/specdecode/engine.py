@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backends.base import Backend
-from .drafters import Draft, Drafter
+from .drafters import Draft, Drafter, common_prefix_len
 from .errors import ContextOverflowError, SpecDecodeError
 from .sampling import Sampler, SamplingParams
 from .stats import Stats
@@ -173,10 +173,7 @@ class SpeculativeEngine:
 
         # Prefill: reuse the longest cached prefix, then cache prompt[:-1] (see KV invariant).
         t0 = time.perf_counter()
-        keep = 0
-        limit = min(len(self._target_cached), len(committed) - 1)
-        while keep < limit and self._target_cached[keep] == committed[keep]:
-            keep += 1
+        keep = common_prefix_len(self._target_cached, committed, len(committed) - 1)
         target.rollback(keep)
         if len(committed) - 1 > keep:
             target.forward(committed[keep:-1], logits_for=[])
