@@ -4,7 +4,9 @@ Same process, same prompts, interleaved per prompt: plain decoding (specdecode, 
 drafter), specdecode with the 0.5B draft, specdecode with ngram, transformers'
 ``generate(assistant_model=...)`` and ``generate(prompt_lookup_num_tokens=...)``, and
 transformers' plain ``generate`` for reference. Greedy, the Qwen pair converted once to
-Hugging Face folders (``specdecode models convert``).
+Hugging Face folders (``specdecode models convert``). On the CPU it also runs the same
+0.5B draft in its registry form (GGUF, Q8_0) on llama.cpp drafting for the torch target
+(cross-backend drafting): the same weights, read in 8 bits instead of 16.
 
     python benchmarks/torch_bench.py --device cpu --dtype bfloat16 --max-tokens 128 --out bench-out/torch.json
 
@@ -44,6 +46,9 @@ def main() -> int:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    ap.add_argument("--gguf-draft", default=None,
+                    help="registry name or .gguf of the draft for a llama.cpp-drafted row "
+                         "(default: --draft when it is a registry name and the device is cpu; 'none' to skip)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -66,6 +71,15 @@ def main() -> int:
         "specdecode draft": SpeculativeEngine(target, ModelDrafter(draft, target=target), K),
         "specdecode ngram": SpeculativeEngine(target, NgramDrafter(), K),
     }
+    gguf_draft = args.gguf_draft
+    if gguf_draft is None and device == "cpu" and args.draft in models.REGISTRY:
+        gguf_draft = args.draft
+    if gguf_draft and gguf_draft != "none":
+        from specdecode.api import load_backend
+
+        llama_draft = load_backend(gguf_draft, backend="llama.cpp", n_ctx=2048, progress=False)
+        engines["specdecode draft on llama.cpp"] = SpeculativeEngine(
+            target, ModelDrafter(llama_draft, target=target), K)
 
     def sync():
         if device == "cuda":
@@ -125,8 +139,9 @@ def main() -> int:
     from specdecode.parity import parity_report
 
     parity = {name: [parity_report(r["result"], p["result"])["status"] for r, p in zip(results[name], results["plain"])]
-              for name in ("specdecode draft", "specdecode ngram")}
-    print(f"\n{args.target} target, {args.draft} draft, {args.dtype} on {device}, K={K}, "
+              for name in engines if name != "plain"}
+    print(f"\n{args.target} target, {args.draft} draft ({args.dtype}; on llama.cpp: {gguf_draft}), "
+          f"{args.dtype} on {device}, K={K}, "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy (tokens/s include prefill)")
     print(f"{'config':30} {'tok/s':>7} {'vs plain':>9} {'vs HF assisted':>15} {'accept':>7} {'mean len':>9}")
     for r in rows:
