@@ -25,6 +25,20 @@ from .sampling import Sampler
 
 
 COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
+# Prompt lookup: acceptance is estimated separately for each band of match length (the
+# number of context tokens the reused occurrence agrees with; see NgramDrafter.lookup):
+# band lower bounds and each band's prior acceptance (a longer match is likelier a copy).
+MATCH_BANDS = (1, 2, 3, 5, 9, 17)
+MATCH_PRIORS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def match_band(match_len: int) -> int:
+    """Index of the MATCH_BANDS band holding match_len (>= 1)."""
+    band = 0
+    for i, lo in enumerate(MATCH_BANDS):
+        if match_len >= lo:
+            band = i
+    return band
 
 
 @dataclass
@@ -68,6 +82,23 @@ class Source:
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     probe_gap: int = 0  # plain steps before the next probe; set by the controller
     prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
+    # For a drafter with lookup(context) -> (match_len, start) (prompt lookup): one
+    # acceptance estimate per match-length band, used instead of ``estimator``.
+    bands: list[AcceptanceEstimator] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bands is None and hasattr(self.drafter, "lookup"):
+            self.bands = [AcceptanceEstimator(prior_alpha=p) for p in MATCH_PRIORS]
+
+    def estimator_for(self, context: Sequence[int]) -> tuple[AcceptanceEstimator | None, int]:
+        """The acceptance estimate that applies after ``context`` and the most tokens this
+        drafter can propose there: (None, 0) when a lookup drafter finds no match."""
+        if self.bands is None:
+            return self.estimator, 1 << 30
+        match_len, start = self.drafter.lookup(context)
+        if match_len == 0:
+            return None, 0
+        return self.bands[match_band(match_len)], len(context) - start
 
     def catch_up(self, context: Sequence[int]) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
@@ -106,6 +137,7 @@ class SpeculationController:
         for s in self.sources:
             s.probe_gap = probe_every
         self._last: Source | None = None
+        self._last_est: AcceptanceEstimator | None = None
         self._last_k = 0
         self._last_probe = False
         self._plain_streak = 0
@@ -124,7 +156,7 @@ class SpeculationController:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
 
         extra: one-off seconds this step would cost on top (a draft model's catch-up).
-        alpha: acceptance to plan with (default: the source's current estimate).
+        alpha: acceptance to plan with (default: the source's overall estimate).
         """
         T = self.target_cost
         alpha = source.estimator.alpha if alpha is None else alpha
@@ -139,20 +171,24 @@ class SpeculationController:
         """Try the drafters whose best K beats plain decoding, best expected rate first; the
         first non-empty draft wins (an n-gram drafter without a match gives none). k is the
         cap that the engine allows this step."""
-        self._last, self._last_k, self._last_probe = None, 0, False
+        self._last, self._last_est, self._last_k, self._last_probe = None, None, 0, False
         plans = []
         for s in self.sources:
-            extra = s.catch_up(context) if k > 0 else 0.0
-            kk, rate = self.plan(s, k, extra) if k > 0 else (0, 0.0)
+            est, avail = s.estimator_for(context) if k > 0 else (None, 0)
+            if est is None:
+                continue
+            cap = min(k, avail)
+            extra = s.catch_up(context)
+            kk, rate = self.plan(s, cap, extra, alpha=est.alpha)
             # Probe only a drafter that could pay at all: with every draft accepted, after
             # its catch-up. (On a CPU a draft model that lags the text never does.)
-            probe = (kk == 0 and k > 0 and self._plain_streak >= s.probe_gap
-                     and self.plan(s, k, extra, alpha=1.0)[0] > 0)
+            probe = (kk == 0 and self._plain_streak >= s.probe_gap
+                     and self.plan(s, cap, extra, alpha=1.0)[0] > 0)
             if probe:
-                kk, rate = min(2, k), -s.draft_cost  # cheapest probe first
+                kk, rate = min(2, cap), -s.draft_cost  # cheapest probe first
             if kk > 0:
-                plans.append((rate, s, kk, probe))
-        for _, s, kk, probe in sorted(plans, key=lambda p: -p[0]):
+                plans.append((rate, s, kk, probe, est))
+        for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
             if isinstance(s.drafter, ModelDrafter):
                 s.drafter.keep_drafting = self._continuation_rule(s)
             t0 = time.perf_counter()
@@ -162,7 +198,7 @@ class SpeculationController:
                 # (catching up on accepted tokens, sampling, Python): follow the observed cost.
                 per_token = (time.perf_counter() - t0) / len(draft.token_ids)
                 s.draft_cost += COST_EMA * (per_token - s.draft_cost)
-                self._last, self._last_k, self._last_probe = s, len(draft.token_ids), probe
+                self._last, self._last_est, self._last_k, self._last_probe = s, est, len(draft.token_ids), probe
                 self._plain_streak = 0
                 self.choices[s.name] += 1
                 return draft
@@ -186,6 +222,8 @@ class SpeculationController:
         s = self._last
         if s is not None:
             s.estimator.update(self._last_k, num_accepted)
+            if self._last_est is not None and self._last_est is not s.estimator:
+                self._last_est.update(self._last_k, num_accepted)
             s.drafter.observe(num_accepted)
             if self._last_probe:
                 failed = num_accepted < self._last_k

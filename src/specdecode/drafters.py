@@ -71,36 +71,68 @@ class NoDrafter:
 class NgramDrafter:
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
-    Match the last n tokens of the context, n from max_ngram down to min_ngram, against
-    earlier text (prompt and generated so far); propose the up to k tokens that followed
-    the most recent match. Drafts are deterministic, so probs is None (one-hot).
+    Find earlier occurrences (prompt and generated text) of the last n tokens of the
+    context, n from max_ngram down to min_ngram; propose the up to k tokens that followed
+    the occurrence whose match extends furthest back (its *match length*, counted up to
+    ``max_match`` tokens; ties go to the most recent). A long match means the text is being
+    copied, so its continuation is likely right: :meth:`lookup` exposes the match length,
+    and the cost-aware controller keeps an acceptance estimate per match length.
+    Drafts are deterministic, so probs is None (one-hot).
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_match: int = 64) -> None:
         if not (1 <= min_ngram <= max_ngram):
             raise SpecDecodeError(f"ngram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if max_match < max_ngram:
+            raise SpecDecodeError(f"max_match = {max_match} must be >= max_ngram = {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.max_match = max_match
+        self.last_match_len = 0  # match length behind the latest proposal (0: none)
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
-        pass
+        self.last_match_len = 0
+
+    def lookup(self, context: Sequence[int]) -> tuple[int, int]:
+        """(match_len, start): the best earlier occurrence of the context's suffix.
+
+        start indexes the token that followed that occurrence (the first token to propose);
+        match_len is how many tokens before it agree with the end of the context (at least
+        min_ngram, at most max_match). (0, -1) when no suffix of min_ngram tokens recurs.
+        """
+        ctx = np.asarray(context, dtype=np.int64)  # [L]
+        L = len(ctx)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            # Candidate occurrences end at e = n-1 .. L-2 (followed by at least one token).
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # [L-n, n]
+            hits = np.flatnonzero((windows == ctx[L - n:]).all(axis=1))  # window starts
+            if not len(hits):
+                continue
+            # Extend each hit backwards while it keeps agreeing with the context.
+            lengths = np.full(len(hits), n)
+            alive = np.ones(len(hits), dtype=bool)
+            for j in range(n, min(self.max_match, L - 1)):
+                pos = hits - (j - n) - 1  # the token j before the suffix's end, for each hit
+                ok = alive & (pos >= 0)
+                ok[ok] = ctx[pos[ok]] == ctx[L - 1 - j]
+                if not ok.any():
+                    break
+                lengths[ok] += 1
+                alive = ok
+            best = int(np.flatnonzero(lengths == lengths.max())[-1])  # longest, then most recent
+            return int(lengths[best]), int(hits[best]) + n
+        return 0, -1
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft([])
-        ctx = np.asarray(context, dtype=np.int64)  # [L]
-        L = len(ctx)
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            pattern = ctx[L - n :]
-            # Candidate starts 0 .. L-n-1: the match must be followed by at least one token.
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # [L-n, n]
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return Draft([int(t) for t in ctx[start : start + k]])
-        return Draft([])
+        match_len, start = self.lookup(context)
+        self.last_match_len = match_len
+        if match_len == 0:
+            return Draft([])
+        return Draft([int(t) for t in context[start : start + k]])
 
     def observe(self, num_accepted: int) -> None:
         pass
