@@ -4,7 +4,8 @@ Same process, same prompts, interleaved per prompt: plain decoding (specdecode, 
 drafter), specdecode with the 0.5B draft, specdecode with ngram, transformers'
 ``generate(assistant_model=...)`` and ``generate(prompt_lookup_num_tokens=...)``, and
 transformers' plain ``generate`` for reference. Greedy, the Qwen pair converted once to
-Hugging Face folders (``specdecode models convert``). On the CPU it also runs the same
+Hugging Face folders (``specdecode models convert``). Also the torch draft scoring only
+token ids below --draft-vocab plus the prompt's tokens (FR-Spec). On the CPU it also runs the same
 0.5B draft in its registry form (GGUF, Q8_0) on llama.cpp drafting for the torch target
 (cross-backend drafting): the same weights, read in 8 bits instead of 16.
 
@@ -49,6 +50,8 @@ def main() -> int:
     ap.add_argument("--gguf-draft", default=None,
                     help="registry name or .gguf of the draft for a llama.cpp-drafted row "
                          "(default: --draft when it is a registry name and the device is cpu; 'none' to skip)")
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="also run the torch draft scoring only ids < N plus the prompt's (FR-Spec); 0 to skip")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -71,6 +74,11 @@ def main() -> int:
         "specdecode draft": SpeculativeEngine(target, ModelDrafter(draft, target=target), K),
         "specdecode ngram": SpeculativeEngine(target, NgramDrafter(), K),
     }
+    if args.draft_vocab:
+        # A second handle on the same draft weights, with its own cache and output subset.
+        subset_draft = TorchBackend(draft.model, draft.tokenizer, n_ctx=2048, name=f"{args.draft} (subset)")
+        engines[f"specdecode draft, vocab {args.draft_vocab}"] = SpeculativeEngine(
+            target, ModelDrafter(subset_draft, target=target, vocab_subset=args.draft_vocab), K)
     gguf_draft = args.gguf_draft
     if gguf_draft is None and device == "cpu" and args.draft in models.REGISTRY:
         gguf_draft = args.draft

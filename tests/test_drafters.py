@@ -1,5 +1,5 @@
-"""Prompt lookup (NgramDrafter): crafted contexts for the match it picks and the length it
-reports; the controller's per-match-length acceptance bands."""
+"""Prompt lookup (NgramDrafter): crafted contexts for the match it picks and what it reports
+about it; the controller's acceptance estimates per kind of match."""
 
 from __future__ import annotations
 
@@ -17,36 +17,42 @@ def test_lookup_prefers_the_occurrence_that_matches_furthest_back():
     # (preceded by 9: length 3). The longer match wins although it is older.
     ctx = [4, 1, 2, 3, 10, 9, 1, 2, 3, 11, 8, 4, 1, 2, 3]
     d = NgramDrafter()
-    assert d.lookup(ctx) == (4, 4)
+    assert d.lookup(ctx) == (4, 4, False)  # '1 2 3' was followed by 10 and by 11
     assert d.propose(ctx, 3).token_ids == [10, 9, 1]
     assert d.last_match_len == 4
 
 
 def test_lookup_ties_go_to_the_most_recent_and_drafts_stop_at_the_end():
     ctx = [7, 1, 2, 5, 7, 1, 2, 6, 7, 1, 2]  # "7 1 2" twice before the suffix, both length 3
-    assert NgramDrafter().lookup(ctx) == (3, 7)
+    assert NgramDrafter().lookup(ctx) == (3, 7, False)
     assert NgramDrafter().propose(ctx, 8).token_ids == [6, 7, 1, 2]  # only 4 tokens follow
 
 
 def test_lookup_falls_back_to_shorter_ngrams_and_reports_no_match():
     d = NgramDrafter(max_ngram=3, min_ngram=1)
-    assert d.lookup([5, 6, 9, 6]) == (1, 2)  # only the last token recurs
+    assert d.lookup([5, 6, 9, 6]) == (1, 2, True)  # only the last token recurs
     assert d.propose([5, 6, 9, 6], 2).token_ids == [9, 6]
-    assert d.lookup([1, 2, 3, 4]) == (0, -1)
+    assert d.lookup([1, 2, 3, 4]) == (0, -1, False)
     assert d.propose([1, 2, 3, 4], 4).token_ids == [] and d.last_match_len == 0
-    assert NgramDrafter(min_ngram=2).lookup([5, 6, 9, 6]) == (0, -1)
+    assert NgramDrafter(min_ngram=2).lookup([5, 6, 9, 6]) == (0, -1, False)
     assert d.propose([1, 2, 1], 0).token_ids == []
 
 
 def test_match_length_counts_back_to_max_match():
     text = list(range(100, 140))
     ctx = text + [1] + text  # the second copy agrees with the first for all 40 tokens
-    assert NgramDrafter(max_match=64).lookup(ctx) == (40, 40)
-    assert NgramDrafter(max_match=16).lookup(ctx) == (16, 40)
+    assert NgramDrafter(max_match=64).lookup(ctx) == (40, 40, True)
+    assert NgramDrafter(max_match=16).lookup(ctx) == (16, 40, True)
     with pytest.raises(SpecDecodeError, match="max_match"):
         NgramDrafter(max_ngram=4, max_match=3)
     with pytest.raises(SpecDecodeError, match="min_ngram"):
         NgramDrafter(max_ngram=2, min_ngram=3)
+
+
+def test_lookup_reports_whether_the_continuation_is_unique():
+    assert NgramDrafter().lookup([1, 2, 9, 1, 2, 9, 1, 2]).unique  # "1 2" always followed by 9
+    assert not NgramDrafter().lookup([1, 2, 9, 1, 2, 8, 1, 2]).unique
+    assert NgramDrafter().lookup([1, 2, 9, 1, 2, 8, 1, 2]).start == 5  # equal length: most recent
 
 
 def test_match_bands():
@@ -62,7 +68,7 @@ def test_controller_learns_acceptance_per_match_length():
     """Long matches whose drafts are always accepted get drafted; short matches whose drafts
     always fail stop being drafted, and neither estimate pulls the other."""
     long_ctx = list(range(100, 130)) + [1] + list(range(100, 120))  # match length 20: band 5
-    short_ctx = [5, 6, 7, 9, 5, 6, 7]  # match length 3: band 2
+    short_ctx = [5, 6, 7, 9, 5, 6, 7]  # match length 3, unique: band 2
     src = Source(NgramDrafter(), 0.0)
     c = SpeculationController([src], MILD, kmax=8, probe_every=1000)
     c.start([], Sampler(SamplingParams()))
@@ -74,6 +80,6 @@ def test_controller_learns_acceptance_per_match_length():
         d = c.propose(short_ctx, 8)
         ks_short.append(len(d.token_ids))
         c.observe(0)  # every draft rejected
-    assert src.bands[5].alpha > 0.9 and ks_long[-1] == 8
-    assert ks_short[0] > 0 and src.bands[2].alpha < 0.2 and ks_short[-4:] == [0, 0, 0, 0]
-    assert src.bands[3].alpha == pytest.approx(0.6)  # an unused band keeps its prior
+    assert src.bands[5, True].alpha > 0.95 and ks_long[-1] == 8
+    assert ks_short[0] > 0 and src.bands[2, True].alpha < 0.2 and ks_short[-4:] == [0, 0, 0, 0]
+    assert src.bands[3, True].alpha == pytest.approx(0.85)  # an unused kind keeps its prior

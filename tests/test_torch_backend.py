@@ -243,3 +243,72 @@ def test_cross_backend_llama_cpp_draft_for_torch_target(smollm_path, smollm_draf
     assert report["status"] in ("exact", "near-tie"), report
     # The quantized draft agrees with its dequantized target most of the time.
     assert spec.stats.acceptance_rate > 0.5, spec.stats.to_dict()
+
+
+def test_output_subset_logits(models_, tokenizer):
+    """With an output subset, the kept ids carry the full head's logits and the rest -inf;
+    None restores the full vocabulary."""
+    b = backend(models_["llama"], tokenizer, "llama")
+    ids = tokenizer("The quick brown fox")["input_ids"]
+    full = b.forward(ids, logits_for=list(range(len(ids))))
+    keep = [0, 3, 17, 100, len(tokenizer) - 1]
+    b.rollback(0)
+    b.set_output_subset(keep)
+    sub = b.forward(ids, logits_for=[1, len(ids) - 1])
+    assert sub.shape == (2, b.n_vocab)
+    np.testing.assert_allclose(sub[:, keep], full[[1, len(ids) - 1]][:, keep], atol=1e-4)
+    rest = np.setdiff1d(np.arange(b.n_vocab), keep)
+    assert np.all(np.isneginf(sub[:, rest]))
+    b.set_output_subset(None)
+    b.rollback(0)
+    np.testing.assert_allclose(b.forward(ids, logits_for=[2])[0], full[2], atol=1e-4)
+    from specdecode.errors import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="0..319"):
+        b.set_output_subset([len(tokenizer)])
+    with pytest.raises(SpecDecodeError, match="out of range"):
+        ModelDrafter(b, vocab_subset=-1)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_greedy_parity_with_a_draft_vocabulary_subset(models_, tokenizer, k):
+    target = backend(models_["llama"], tokenizer, "target")
+    draft_backend = backend(models_["llama"], tokenizer, "self-draft")
+    drafter = ModelDrafter(draft_backend, target=target, vocab_subset=120)
+    ids = prompt_ids(tokenizer)
+    spec = SpeculativeEngine(target, drafter, k).generate(ids, max_tokens=40)
+    base = plain(target, ids, max_tokens=40)
+    assert parity_report(spec, base)["status"] == "exact"
+    allowed = set(range(120)) | set(ids) | set(target.eog_ids)
+    outside = [t for t in base.token_ids if t not in allowed]
+    # The same model drafting for itself: its restricted argmax is the target's whenever the
+    # target's token is inside the subset, so a step's first draft fails only where the
+    # target's token lies outside it.
+    st = spec.stats
+    assert outside and st.accepted < st.drafted
+    assert 0 < st.drafted_per_position[0] - st.accepted_per_position[0] <= len(outside)
+
+
+def test_sampling_with_a_draft_vocabulary_subset_matches_the_target(models_, tokenizer):
+    """A draft restricted to half the vocabulary (ids < 160 and the prompt's) samples from
+    that restricted distribution; speculative sampling stays exact, and the
+    mis-stated-probability control is still caught."""
+    target = backend(models_["llama"], tokenizer, "target")
+    ids = prompt_ids(tokenizer)
+    params = SamplingParams(temperature=1.0, top_k=4)
+    expected = two_token_distribution(target, ids, params)
+    draft = ModelDrafter(backend(models_["llama_near"], tokenizer, "draft"), target=target, vocab_subset=160)
+    eng = SpeculativeEngine(target, draft, 2)
+    n = 3000
+    p_good = chi_square_p(sample_pairs(eng, ids, params, n), expected, n)
+    assert p_good > 1e-3, p_good
+    p_bad = chi_square_p(sample_pairs(eng, ids, params, n, drafter=MislabelledDrafter(draft)), expected, n)
+    assert p_bad < 1e-6, p_bad
+    assert draft_rate(eng, ids, params) > 0.1
+    # The restriction bites: the full draft puts mass outside the subset, the restricted none.
+    full = ModelDrafter(backend(models_["llama_near"], tokenizer, "full"), target=target)
+    outside = np.setdiff1d(np.arange(160, target.n_vocab), ids)
+    for d, mass in ((full, lambda m: m > 0.05), (draft, lambda m: m == 0.0)):
+        d.start(ids, Sampler(SamplingParams(temperature=1.0, top_k=4, seed=1)))
+        q = d.propose(ids, 2).probs
+        assert mass(q[:, outside].sum(axis=1).max()), q[:, outside].sum(axis=1)

@@ -64,9 +64,10 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = 4096, n_
 
 def make_drafter(draft: str, target: Backend, n_ctx: int = 4096, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = "float32",
-                 device: str = "cpu") -> Drafter:
+                 device: str = "cpu", draft_vocab: int = 0) -> Drafter:
     """'none', 'ngram', or a draft model (registry name, .gguf path or HF folder on any
-    backend) checked against the target's vocabulary."""
+    backend) checked against the target's vocabulary. draft_vocab: see ModelDrafter's
+    vocab_subset (torch drafts; 0 = the full vocabulary)."""
     if draft == "none":
         return NoDrafter()
     if draft == "ngram":
@@ -74,7 +75,7 @@ def make_drafter(draft: str, target: Backend, n_ctx: int = 4096, n_threads: int 
     d = load_backend(draft, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype, device=device,
                      progress=progress)
     try:
-        return ModelDrafter(d, target=target)
+        return ModelDrafter(d, target=target, vocab_subset=draft_vocab)
     except SpecDecodeError:
         d.close()
         raise
@@ -87,7 +88,7 @@ NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context,
 
 def make_controller(draft: str, target: Backend, kmax: int = 8, n_ctx: int = 4096, n_threads: int | None = None,
                     progress: bool = True, backend: str = "auto", dtype: str = "float32",
-                    device: str = "cpu") -> Drafter:
+                    device: str = "cpu", draft_vocab: int = 0) -> Drafter:
     """The cost-aware controller over the drafters that ``draft`` names.
 
     draft: "auto" (n-gram lookup and the default draft model), "ngram", "none" (plain), or
@@ -109,7 +110,8 @@ def make_controller(draft: str, target: Backend, kmax: int = 8, n_ctx: int = 409
         return SpeculationController(sources, curve, kmax=kmax)
     if draft != "ngram":
         model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
-                             n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device)
+                             n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device,
+                             draft_vocab=draft_vocab)
         draft_curve = cached_forward_curve(model.backend, [1, 64], models.cache_dir())
         sources.append(Source(model, draft_curve(1), prefill_cost=draft_curve(64) / 64))
     return SpeculationController(sources, curve, kmax=kmax)
@@ -127,6 +129,8 @@ class Decoder:
     n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
+    draft_vocab: a torch draft model computes logits only for ids below this, the prompt's
+        tokens and end-of-generation ids (0 = all; see ModelDrafter's vocab_subset).
 
     Raises SpecDecodeError (and subclasses: ModelFileError, IncompatibleVocabularyError)
     with a message naming the values.
@@ -144,6 +148,7 @@ class Decoder:
         draft_backend: str = "auto",
         dtype: str = "float32",
         device: str = "cpu",
+        draft_vocab: int = 0,
     ) -> None:
         self.target_name = target
         self.draft_name = draft
@@ -151,7 +156,7 @@ class Decoder:
                                    device=device, progress=progress)
         try:
             opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
-                        device=device)
+                        device=device, draft_vocab=draft_vocab)
             if num_speculative_tokens == "auto":
                 self.drafter = make_controller(draft, self.target, kmax=AUTO_KMAX, **opts)
                 k = AUTO_KMAX

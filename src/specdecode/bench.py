@@ -307,7 +307,7 @@ def run_bench(args) -> dict:
     target = dec.target
     plain_engine = dec.engine
     opts = dict(n_ctx=args.ctx_size, n_threads=args.threads, progress=not args.quiet, backend=args.draft_backend,
-                dtype=args.dtype, device=args.device)
+                dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab)
     engines = {}
     for (draft, k), name in zip(configs, names):
         if k == "auto":

@@ -86,7 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     with Decoder(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
                  n_ctx=args.ctx_size, n_threads=args.threads, progress=not args.quiet, backend=args.backend,
-                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device) as dec:
+                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
+                 draft_vocab=args.draft_vocab) as dec:
         prompt = args.prompt
         if args.json or args.compare:
             if args.compare:
@@ -169,6 +170,9 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
                    help="torch backend weights (default: %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="torch backend device (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="a torch draft model scores only token ids < N plus the prompt's tokens "
+                        "(FR-Spec; cheaper drafts, still lossless; default: 0 = all)")
 
 
 def build_parser() -> argparse.ArgumentParser:

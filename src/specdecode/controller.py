@@ -19,17 +19,25 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .costmodel import CostCurve, expected_tokens
+from .costmodel import CostCurve, expected_tokens, expected_tokens_positional
 from .drafters import Draft, Drafter, ModelDrafter
 from .sampling import Sampler
 
 
 COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
-# Prompt lookup: acceptance is estimated separately for each band of match length (the
-# number of context tokens the reused occurrence agrees with; see NgramDrafter.lookup):
-# band lower bounds and each band's prior acceptance (a longer match is likelier a copy).
+# Prompt lookup: acceptance is estimated separately for each kind of match (see
+# NgramDrafter.lookup): its band of match length (the number of context tokens the reused
+# occurrence agrees with), and whether the matched n-gram was always followed by the same
+# token (unique) or not. Band lower bounds, and each kind's prior (first-token acceptance,
+# acceptance of each further token once the one before was accepted), measured with the
+# 1.5B target on the built-in suite's prompts 4-8 of each category (the benchmark runs
+# prompts 1-3): a longer or unambiguous match is likelier a copy, and a copy that has
+# started tends to go on.
 MATCH_BANDS = (1, 2, 3, 5, 9, 17)
-MATCH_PRIORS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+MATCH_PRIORS = {
+    False: ((0.14, 0.54), (0.17, 0.50), (0.26, 0.80), (0.44, 0.90), (0.75, 0.95), (0.96, 0.97)),  # ambiguous
+    True: ((0.46, 0.58), (0.60, 0.69), (0.65, 0.80), (0.85, 0.87), (0.90, 0.95), (0.98, 0.97)),  # unique
+}
 
 
 def match_band(match_len: int) -> int:
@@ -71,6 +79,49 @@ class AcceptanceEstimator:
         self.accepted = self.decay * self.accepted + n
         self.rejected = self.decay * self.rejected + (1.0 if n < k else 0.0)
 
+    def expected(self, k: int) -> float:
+        """Expected tokens committed by a step that drafts k (Eq. 1 at this alpha)."""
+        return expected_tokens(self.alpha, k)
+
+
+@dataclass
+class TwoRateEstimator:
+    """Acceptance of the first drafted token (first) and of each later one given that the
+    one before it was accepted (then): E = 1 + a1 (1 + a + ... + a^(k-1)), the positional
+    form of Eq. 1 (expected_tokens_positional). For drafts whose first token is the
+    uncertain one: a prompt-lookup copy that starts right tends to stay right."""
+
+    prior_first: float
+    prior_then: float
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    first: AcceptanceEstimator = field(init=False)
+    then: AcceptanceEstimator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.first = AcceptanceEstimator(self.prior_first, self.prior_weight, self.decay)
+        self.then = AcceptanceEstimator(self.prior_then, self.prior_weight, self.decay)
+
+    @property
+    def alpha(self) -> float:
+        return self.first.alpha
+
+    def update(self, k: int, n: int) -> None:
+        if k <= 0:
+            return
+        self.first.update(1, min(n, 1))
+        if n >= 1:
+            self.then.update(k - 1, n - 1)
+
+    def fresh(self) -> "TwoRateEstimator":
+        """A new estimator with this one's priors (what this kind of draft is worth before
+        any observation)."""
+        return TwoRateEstimator(self.prior_first, self.prior_then, self.prior_weight, self.decay)
+
+    def expected(self, k: int) -> float:
+        """Expected tokens committed by a step that drafts k."""
+        return expected_tokens_positional([self.first.alpha] + [self.then.alpha] * (k - 1))
+
 
 @dataclass
 class Source:
@@ -82,23 +133,24 @@ class Source:
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     probe_gap: int = 0  # plain steps before the next probe; set by the controller
     prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
-    # For a drafter with lookup(context) -> (match_len, start) (prompt lookup): one
-    # acceptance estimate per match-length band, used instead of ``estimator``.
-    bands: list[AcceptanceEstimator] | None = None
+    # For a drafter with lookup(context) -> Match (prompt lookup): one acceptance estimate
+    # per kind of match, (band index, unique), used instead of ``estimator``.
+    bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
 
     def __post_init__(self) -> None:
         if self.bands is None and hasattr(self.drafter, "lookup"):
-            self.bands = [AcceptanceEstimator(prior_alpha=p) for p in MATCH_PRIORS]
+            self.bands = {(i, u): TwoRateEstimator(a1, a)
+                          for u, priors in MATCH_PRIORS.items() for i, (a1, a) in enumerate(priors)}
 
-    def estimator_for(self, context: Sequence[int]) -> tuple[AcceptanceEstimator | None, int]:
+    def estimator_for(self, context: Sequence[int]) -> tuple[AcceptanceEstimator | TwoRateEstimator | None, int]:
         """The acceptance estimate that applies after ``context`` and the most tokens this
         drafter can propose there: (None, 0) when a lookup drafter finds no match."""
         if self.bands is None:
             return self.estimator, 1 << 30
-        match_len, start = self.drafter.lookup(context)
-        if match_len == 0:
+        match = self.drafter.lookup(context)
+        if match.length == 0:
             return None, 0
-        return self.bands[match_band(match_len)], len(context) - start
+        return self.bands[match_band(match.length), match.unique], len(context) - match.start
 
     def catch_up(self, context: Sequence[int]) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
@@ -137,7 +189,7 @@ class SpeculationController:
         for s in self.sources:
             s.probe_gap = probe_every
         self._last: Source | None = None
-        self._last_est: AcceptanceEstimator | None = None
+        self._last_est: AcceptanceEstimator | TwoRateEstimator | None = None
         self._last_k = 0
         self._last_probe = False
         self._plain_streak = 0
@@ -152,17 +204,20 @@ class SpeculationController:
         for s in self.sources:
             s.drafter.finish(committed)
 
-    def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None) -> tuple[int, float]:
+    def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None,
+             estimator: AcceptanceEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
 
         extra: one-off seconds this step would cost on top (a draft model's catch-up).
-        alpha: acceptance to plan with (default: the source's overall estimate).
+        alpha: a per-token acceptance to plan with (Eq. 1); else the estimator's expectation
+        (default: the source's overall estimator).
         """
         T = self.target_cost
-        alpha = source.estimator.alpha if alpha is None else alpha
+        est = source.estimator if estimator is None else estimator
+        expect = (lambda k: expected_tokens(alpha, k)) if alpha is not None else est.expected
         best_k, best_rate = 0, 1.0 / T(1)
         for k in range(1, min(cap, self.kmax) + 1):
-            rate = expected_tokens(alpha, k) / (extra + k * source.draft_cost + T(k + 1))
+            rate = expect(k) / (extra + k * source.draft_cost + T(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate
@@ -179,11 +234,16 @@ class SpeculationController:
                 continue
             cap = min(k, avail)
             extra = s.catch_up(context)
-            kk, rate = self.plan(s, cap, extra, alpha=est.alpha)
+            kk, rate = self.plan(s, cap, extra, estimator=est)
             # Probe only a drafter that could pay at all: with every draft accepted, after
-            # its catch-up. (On a CPU a draft model that lags the text never does.)
-            probe = (kk == 0 and self._plain_streak >= s.probe_gap
-                     and self.plan(s, cap, extra, alpha=1.0)[0] > 0)
+            # its catch-up (on a CPU a draft model that lags the text never does); for a
+            # kind of prompt-lookup match, at its prior acceptance.
+            if kk == 0 and self._plain_streak >= s.probe_gap:
+                could = (self.plan(s, cap, extra, estimator=est.fresh()) if isinstance(est, TwoRateEstimator)
+                         else self.plan(s, cap, extra, alpha=1.0))
+                probe = could[0] > 0
+            else:
+                probe = False
             if probe:
                 kk, rate = min(2, cap), -s.draft_cost  # cheapest probe first
             if kk > 0:

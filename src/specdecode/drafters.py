@@ -11,7 +11,7 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -27,6 +27,19 @@ def common_prefix_len(cached: Sequence[int], tokens: Sequence[int], limit: int |
     while n < end and cached[n] == tokens[n]:
         n += 1
     return n
+
+
+class Match(NamedTuple):
+    """Where prompt lookup found the context's suffix (NgramDrafter.lookup).
+
+    length: tokens the chosen occurrence agrees with the end of the context (0: none).
+    start: index of the token that followed it (the first to propose; -1: none).
+    unique: every earlier occurrence of the matched n-gram was followed by the same token.
+    """
+
+    length: int
+    start: int
+    unique: bool
 
 
 @dataclass
@@ -95,12 +108,12 @@ class NgramDrafter:
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         self.last_match_len = 0
 
-    def lookup(self, context: Sequence[int]) -> tuple[int, int]:
-        """(match_len, start): the best earlier occurrence of the context's suffix.
+    def lookup(self, context: Sequence[int]) -> Match:
+        """The best earlier occurrence of the context's suffix (see Match).
 
-        start indexes the token that followed that occurrence (the first token to propose);
-        match_len is how many tokens before it agree with the end of the context (at least
-        min_ngram, at most max_match). (0, -1) when no suffix of min_ngram tokens recurs.
+        Its length is at least min_ngram and at most max_match; Match(0, -1, False) when no
+        suffix of min_ngram tokens recurs. An ambiguous match (the n-gram was followed by
+        different tokens at different places) is a much weaker guess than a unique one.
         """
         ctx = np.asarray(context, dtype=np.int64)  # [L]
         L = len(ctx)
@@ -122,17 +135,18 @@ class NgramDrafter:
                 lengths[ok] += 1
                 alive = ok
             best = int(np.flatnonzero(lengths == lengths.max())[-1])  # longest, then most recent
-            return int(lengths[best]), int(hits[best]) + n
-        return 0, -1
+            following = ctx[hits + n]
+            return Match(int(lengths[best]), int(hits[best]) + n, bool((following == following[0]).all()))
+        return Match(0, -1, False)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft([])
-        match_len, start = self.lookup(context)
-        self.last_match_len = match_len
-        if match_len == 0:
+        match = self.lookup(context)
+        self.last_match_len = match.length
+        if match.length == 0:
             return Draft([])
-        return Draft([int(t) for t in context[start : start + k]])
+        return Draft([int(t) for t in context[match.start : match.start + k]])
 
     def observe(self, num_accepted: int) -> None:
         pass
@@ -149,14 +163,31 @@ class ModelDrafter:
     The draft's KV cache keeps the tokens it has seen; each proposal rolls it back to the
     longest prefix shared with the new context and feeds only the rest.
 
+    vocab_subset: when > 0, the draft model computes logits only for token ids below it
+    plus the prompt's tokens and the end-of-generation ids (FR-Spec, Zhao et al. 2025:
+    the output projection over a large vocabulary is a large share of a small draft
+    model's cost; BPE ids are roughly in merge order, so low ids are the frequent
+    tokens). Drafts stay lossless: the target verifies every token against its full
+    distribution, and a sampled draft's probs are exactly the restricted distribution it
+    was drawn from. Needs a backend with ``set_output_subset`` (the torch backend).
+
     Raises IncompatibleVocabularyError at construction when the vocabularies differ
-    (size, or the text of any token id), showing the first mismatches.
+    (size, or the text of any token id), showing the first mismatches; SpecDecodeError
+    when vocab_subset is negative or the backend cannot restrict its output.
     """
 
     name = "model"
 
-    def __init__(self, backend: Backend, target: Backend | None = None) -> None:
+    def __init__(self, backend: Backend, target: Backend | None = None, vocab_subset: int = 0) -> None:
         self.backend = backend
+        if vocab_subset < 0:
+            raise SpecDecodeError(f"draft vocabulary subset {vocab_subset} is out of range: expected >= 0 (0 = all)")
+        if vocab_subset and not (hasattr(backend, "set_output_subset") and backend.supports_output_subset()):
+            raise SpecDecodeError(
+                f"a draft vocabulary subset needs a draft model on the torch backend with a plain output head; "
+                f"{backend.name} cannot restrict its output"
+            )
+        self.vocab_subset = vocab_subset
         if target is not None:
             check_vocab_compatible(backend, target)
         self._cached: list[int] = []
@@ -168,6 +199,11 @@ class ModelDrafter:
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         self._sampler = sampler
+        if self.vocab_subset:
+            ids = set(range(min(self.vocab_subset, self.backend.n_vocab)))
+            ids.update(int(t) for t in prompt_ids)
+            ids.update(self.backend.eog_ids)
+            self.backend.set_output_subset(ids)
 
     def pending(self, context: Sequence[int]) -> int:
         """Tokens of context this drafter would have to feed before drafting (not cached)."""

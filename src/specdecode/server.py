@@ -885,7 +885,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"specdecode: warning: serving on {args.host}: the server has no authentication", flush=True)
     with Decoder(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
                  n_ctx=args.ctx_size, n_threads=args.threads, progress=True, backend=args.backend,
-                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device) as dec:
+                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
+                 draft_vocab=args.draft_vocab) as dec:
         app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True)
         print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}) "
               f"on http://{args.host}:{args.port}/v1", flush=True)

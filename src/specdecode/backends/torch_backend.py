@@ -120,6 +120,7 @@ class TorchBackend(BackendBase):
         self._byte_decoder = self._make_byte_decoder()
         self._special_ids = self._find_special_ids()
         self._piece_cache: dict[int, bytes] = {}
+        self._subset: tuple | None = None  # (ids [S] long, weight rows [S, H], bias [S] or None)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", n_ctx: int = 4096,
@@ -235,6 +236,40 @@ class TorchBackend(BackendBase):
         return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
     # --- evaluation -------------------------------------------------------------------
+    def supports_output_subset(self) -> bool:
+        """Whether :meth:`set_output_subset` can apply: a decoder whose logits are exactly the
+        output projection of its last hidden state (no logit scaling or soft-capping)."""
+        cfg = self.model.config
+        plain_head = all(not getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale",
+                                                                 "output_multiplier_scale", "logits_scaling"))
+        return plain_head and hasattr(self.model, "get_decoder") and self.model.get_output_embeddings() is not None
+
+    def set_output_subset(self, ids: Sequence[int] | None) -> None:
+        """Compute logits only for the token ids ``ids`` [S]; the others come back as -inf.
+
+        A drafting technique (FR-Spec, Zhao et al. 2025: a draft model's output projection
+        over a large vocabulary is a large part of its cost, and most drafts fall in a
+        small set of tokens). The target never uses it: verification needs the full
+        distribution. None restores the full vocabulary. Raises SpecDecodeError when the
+        model's head does not allow it (see :meth:`supports_output_subset`) or for ids
+        outside the vocabulary.
+        """
+        torch = self._torch
+        if ids is None:
+            self._subset = None
+            return
+        if not self.supports_output_subset():
+            raise SpecDecodeError(f"{self.name}: this model's output head cannot be restricted to a subset")
+        idx = sorted(set(int(i) for i in ids))
+        if not idx or idx[0] < 0 or idx[-1] >= self._n_vocab:
+            raise SpecDecodeError(f"output subset must be non-empty ids in 0..{self._n_vocab - 1}")
+        head = self.model.get_output_embeddings()
+        with torch.inference_mode():
+            t = torch.tensor(idx, dtype=torch.long, device=self.device)
+            w = head.weight.index_select(0, t).contiguous()
+            b = head.bias.index_select(0, t) if getattr(head, "bias", None) is not None else None
+        self._subset = (t, w, b)
+
     def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
         """Append token_ids [N] at positions kv_len.. and return logits [M, V] float32 on the host.
 
@@ -251,7 +286,7 @@ class TorchBackend(BackendBase):
             ids = torch.tensor([tokens], dtype=torch.long, device=dev)
             pos = torch.arange(self._kv_len, self._kv_len + n, device=dev)
             keep = torch.tensor(want if want else [n - 1], dtype=torch.long, device=dev)
-            out = self.model(
+            kwargs = dict(
                 input_ids=ids,
                 position_ids=pos[None],
                 cache_position=pos,
@@ -260,12 +295,18 @@ class TorchBackend(BackendBase):
                 attention_mask=self._ones[:, : self._kv_len + n],
                 cache=self._cache,
                 use_cache=True,
-                logits_to_keep=keep,
             )
+            if self._subset is None:
+                logits = self.model(**kwargs, logits_to_keep=keep).logits[0]
+            else:
+                hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
+                sub_ids, w, b = self._subset
+                logits = torch.full((len(keep), self._n_vocab), float("-inf"), device=dev)
+                logits[:, sub_ids] = torch.nn.functional.linear(hidden, w, b).float()
             self._kv_len += n
             if not want:
                 return np.zeros((0, self._n_vocab), dtype=np.float32)
-            return out.logits[0].float().cpu().numpy()
+            return logits.float().cpu().numpy()
 
     def rollback(self, n: int) -> None:
         """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a
