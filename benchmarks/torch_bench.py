@@ -6,8 +6,9 @@ drafter), specdecode with the 0.5B draft, specdecode with ngram, transformers'
 transformers' plain ``generate`` for reference. Greedy, the Qwen pair converted once to
 Hugging Face folders (``specdecode models convert``). Also the torch draft scoring only
 token ids below --draft-vocab plus the prompt's tokens (FR-Spec). On the CPU it also runs the same
-0.5B draft in its registry form (GGUF, Q8_0) on llama.cpp drafting for the torch target
-(cross-backend drafting): the same weights, read in 8 bits instead of 16.
+0.5B draft in its registry form (GGUF, Q4_K_M) on llama.cpp drafting for the torch target
+(cross-backend drafting): the same weights (the bf16 folders are dequantized from these
+GGUFs), read quantized instead of in 16 bits.
 
     python benchmarks/torch_bench.py --device cpu --dtype bfloat16 --max-tokens 128 --out bench-out/torch.json
 

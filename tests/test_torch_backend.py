@@ -312,3 +312,37 @@ def test_sampling_with_a_draft_vocabulary_subset_matches_the_target(models_, tok
         d.start(ids, Sampler(SamplingParams(temperature=1.0, top_k=4, seed=1)))
         q = d.propose(ids, 2).probs
         assert mass(q[:, outside].sum(axis=1).max()), q[:, outside].sum(axis=1)
+
+
+def host_greedy(b, tokens, k):
+    """k greedy tokens by forward + argmax on the host, the last one not fed."""
+    row = b.forward(tokens, logits_for=[len(tokens) - 1])[0]
+    out = [int(np.argmax(row))]
+    for _ in range(k - 1):
+        out.append(int(np.argmax(b.forward([out[-1]], logits_for=[0])[0])))
+    return out
+
+
+@pytest.mark.parametrize("subset", [None, 150])
+def test_greedy_draft_on_the_device_equals_the_host_loop(models_, tokenizer, subset):
+    """greedy_draft (argmax on the device, one transfer) gives the tokens and cache length
+    of forward + host argmax per token, with and without an output subset, also after a
+    rollback."""
+    from specdecode.errors import ContextOverflowError
+
+    ids = prompt_ids(tokenizer)
+    a = backend(models_["qwen2"], tokenizer, "device")
+    b = backend(models_["qwen2"], tokenizer, "host")
+    if subset:
+        for x in (a, b):
+            x.set_output_subset(list(range(subset)) + ids)
+    got = a.greedy_draft(ids, 6)
+    assert got == host_greedy(b, ids, 6) and a.kv_len == b.kv_len == len(ids) + 5
+    if subset:
+        assert all(t < subset or t in ids for t in got)
+    a.rollback(len(ids) + 2)  # continue after a partial rejection, as the drafter does
+    b.rollback(len(ids) + 2)
+    assert a.greedy_draft([got[2], got[3]], 3) == host_greedy(b, [got[2], got[3]], 3)
+    assert a.kv_len == b.kv_len
+    with pytest.raises(ContextOverflowError):
+        a.greedy_draft([1], a.n_ctx)

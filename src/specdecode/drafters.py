@@ -220,6 +220,12 @@ class ModelDrafter:
         self._cached = list(context[:keep])
         assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
 
+        if (sampler.params.greedy and not sampler.params.has_penalties and self.keep_drafting is None
+                and hasattr(self.backend, "greedy_draft")):
+            # The whole greedy draft on the device (torch): one host sync, not one per token.
+            drafts = self.backend.greedy_draft(context[keep:], k)
+            self._cached.extend(list(context[keep:]) + drafts[:-1])
+            return Draft(drafts)
         history = list(context) if sampler.params.has_penalties else []
         drafts: list[int] = []
         rows: list[np.ndarray] = []

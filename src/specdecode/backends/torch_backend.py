@@ -283,30 +283,61 @@ class TorchBackend(BackendBase):
             return np.zeros((0, self._n_vocab), dtype=np.float32)
         dev = self.device
         with torch.inference_mode():
-            ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-            pos = torch.arange(self._kv_len, self._kv_len + n, device=dev)
-            keep = torch.tensor(want if want else [n - 1], dtype=torch.long, device=dev)
-            kwargs = dict(
-                input_ids=ids,
-                position_ids=pos[None],
-                cache_position=pos,
-                # Without an explicit mask, transformers skips masking for one-token queries
-                # and would attend to stale or empty slots of the static cache.
-                attention_mask=self._ones[:, : self._kv_len + n],
-                cache=self._cache,
-                use_cache=True,
-            )
-            if self._subset is None:
-                logits = self.model(**kwargs, logits_to_keep=keep).logits[0]
-            else:
-                hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
-                sub_ids, w, b = self._subset
-                logits = torch.full((len(keep), self._n_vocab), float("-inf"), device=dev)
-                logits[:, sub_ids] = torch.nn.functional.linear(hidden, w, b).float()
-            self._kv_len += n
+            logits = self._logits(torch.tensor([tokens], dtype=torch.long, device=dev),
+                                  torch.tensor(want if want else [n - 1], dtype=torch.long, device=dev))
             if not want:
                 return np.zeros((0, self._n_vocab), dtype=np.float32)
             return logits.float().cpu().numpy()
+
+    def _logits(self, ids, keep):
+        """One forward of ids [1, N] (a device tensor) at positions kv_len..; returns the
+        logits rows ``keep`` [M] as a device tensor [M, V] (-inf outside an output subset)."""
+        torch = self._torch
+        n = int(ids.shape[1])
+        pos = torch.arange(self._kv_len, self._kv_len + n, device=self.device)
+        kwargs = dict(
+            input_ids=ids,
+            position_ids=pos[None],
+            cache_position=pos,
+            # Without an explicit mask, transformers skips masking for one-token queries
+            # and would attend to stale or empty slots of the static cache.
+            attention_mask=self._ones[:, : self._kv_len + n],
+            cache=self._cache,
+            use_cache=True,
+        )
+        if self._subset is None:
+            logits = self.model(**kwargs, logits_to_keep=keep).logits[0]
+        else:
+            hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
+            sub_ids, w, b = self._subset
+            logits = torch.full((len(keep), self._n_vocab), float("-inf"), device=self.device)
+            logits[:, sub_ids] = torch.nn.functional.linear(hidden, w, b).float()
+        self._kv_len += n
+        return logits
+
+    def greedy_draft(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Append token_ids [N >= 1], then draft k >= 1 tokens greedily on the device.
+
+        Same result as forward(token_ids) followed by k - 1 one-token forwards of each argmax
+        (the last drafted token is not fed: kv_len grows by N + k - 1), but the drafted ids
+        stay on the device until the end: one host synchronization for the whole draft
+        instead of one per token (on CUDA), and no V-sized rows copied to the host.
+        Raises ContextOverflowError when N + k - 1 tokens do not fit.
+        """
+        torch = self._torch
+        tokens = [int(t) for t in token_ids]
+        if not tokens or k < 1:
+            raise ValueError(f"greedy_draft needs at least one token and k >= 1 (got {len(tokens)}, {k})")
+        self._check_forward(tokens + [0] * (k - 1), [])
+        last = torch.tensor([0], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            nxt = self._logits(torch.tensor([tokens], dtype=torch.long, device=self.device),
+                               last + len(tokens) - 1)[0].argmax()
+            drafted = [nxt]
+            for _ in range(k - 1):
+                nxt = self._logits(nxt.view(1, 1), last)[0].argmax()
+                drafted.append(nxt)
+            return [int(t) for t in torch.stack(drafted).tolist()]
 
     def rollback(self, n: int) -> None:
         """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a
