@@ -64,6 +64,9 @@ def test_generate_streams_text_and_prints_stats(smollm_path):
         (["--max-tokens", "0"], ["--max-tokens 0"]),
         (["--num-speculative-tokens", "99"], ["--num-speculative-tokens 99"]),
         (["--logprobs", "50"], ["--logprobs 50"]),
+        (["--draft-vocab", "-5"], ["--draft-vocab", "-5 is out of range"]),
+        (["--draft-vocab", "100"], ["draft_vocab = 100 applies to a draft model; draft 'none'"]),
+        (["--draft", SMOL, "--draft-vocab", "100"], ["--draft-backend torch", "LlamaCppBackend"]),
     ],
 )
 def test_out_of_range_options(args, needles):

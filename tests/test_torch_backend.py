@@ -346,3 +346,14 @@ def test_greedy_draft_on_the_device_equals_the_host_loop(models_, tokenizer, sub
     assert a.kv_len == b.kv_len
     with pytest.raises(ContextOverflowError):
         a.greedy_draft([1], a.n_ctx)
+
+
+def test_cost_cache_key_tells_dtypes_apart(models_, tokenizer):
+    import copy
+
+    from specdecode.costmodel import machine_key
+
+    f32 = backend(models_["llama"], tokenizer, "m")
+    bf16 = backend(copy.deepcopy(models_["llama"]).to(torch.bfloat16), tokenizer, "m")
+    assert machine_key(f32) == machine_key(backend(models_["llama"], tokenizer, "m"))
+    assert machine_key(f32) != machine_key(bf16)

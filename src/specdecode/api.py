@@ -152,6 +152,10 @@ class Decoder:
     ) -> None:
         self.target_name = target
         self.draft_name = draft
+        if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
+            raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)")
+        if draft_vocab and draft in ("ngram", "none"):
+            raise SpecDecodeError(f"draft_vocab = {draft_vocab} applies to a draft model; draft {draft!r} has none")
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                    device=device, progress=progress)
         try:

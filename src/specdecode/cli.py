@@ -159,6 +159,16 @@ def k_value(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer 0..32 or 'auto', got {text!r}") from None
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: expected an integer >= 0")
+    return value
+
+
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     """--backend, --draft-backend, --dtype, --device (shared by generate, serve and bench)."""
     p.add_argument("--backend", choices=["auto", "llama.cpp", "torch"], default="auto",
@@ -170,9 +180,10 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
                    help="torch backend weights (default: %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="torch backend device (default: %(default)s)")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="a torch draft model scores only token ids < N plus the prompt's tokens "
-                        "(FR-Spec; cheaper drafts, still lossless; default: 0 = all)")
+    p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
+                   help="a draft model on the torch backend (--draft-backend torch) scores only token ids "
+                        "< N, the prompt's tokens and end-of-generation ids (FR-Spec; cheaper drafts, same "
+                        "output; default: 0 = all)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help="a user message, rendered with the model's own chat template")
     g.add_argument("--target", default=models.DEFAULT_TARGET, help="registry name or .gguf path (default: %(default)s)")
     g.add_argument("--draft", default=models.DEFAULT_DRAFT,
-                   help="registry name, .gguf path, 'ngram' (prompt lookup), 'none' (plain decoding) or 'auto' "
+                   help="registry name, .gguf path, Hugging Face folder, 'ngram' (prompt lookup), 'none' (plain decoding) or 'auto' "
                         "(n-gram when it matches, else the default draft model when it pays) (default: %(default)s)")
     g.add_argument("--num-speculative-tokens", "-k", type=k_value, default="auto",
                    help="K, drafted tokens per step (0..32), or 'auto': chosen each step from measured costs "

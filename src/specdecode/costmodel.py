@@ -128,7 +128,8 @@ def measure_forward_curve(backend, ns: Sequence[int], context: int = 64, reps: i
 
 
 def machine_key(backend) -> str:
-    """What a measured curve depends on: model file, backend, threads, CPU, library version."""
+    """What a measured curve depends on: model file, backend (with its ``cost_key``: dtype and
+    weights for torch), threads, device, CPU, library version."""
     parts = [type(backend).__name__, str(getattr(backend, "name", "")), platform.machine(), platform.processor()]
     path = getattr(backend, "path", None)
     if path is not None and Path(path).exists():
@@ -136,6 +137,8 @@ def machine_key(backend) -> str:
         parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
     parts.append(str(getattr(backend, "n_threads", "")))
     parts.append(str(getattr(backend, "device", "")))
+    if getattr(backend, "cost_key", None):  # e.g. the torch backend's dtype and weights
+        parts.append(str(backend.cost_key))
     try:
         with open("/proc/cpuinfo") as f:
             parts.append(next((ln for ln in f if ln.startswith("model name")), ""))

@@ -184,8 +184,8 @@ class ModelDrafter:
             raise SpecDecodeError(f"draft vocabulary subset {vocab_subset} is out of range: expected >= 0 (0 = all)")
         if vocab_subset and not (hasattr(backend, "set_output_subset") and backend.supports_output_subset()):
             raise SpecDecodeError(
-                f"a draft vocabulary subset needs a draft model on the torch backend with a plain output head; "
-                f"{backend.name} cannot restrict its output"
+                f"a draft vocabulary subset needs a draft model on the torch backend (--draft-backend torch) "
+                f"with a plain output head; {backend.name} on {type(backend).__name__} cannot restrict its output"
             )
         self.vocab_subset = vocab_subset
         if target is not None:

@@ -235,6 +235,12 @@ class TorchBackend(BackendBase):
             raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
         return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
+    @property
+    def cost_key(self) -> str:
+        """What besides name and device a measured latency depends on: weights and dtype."""
+        p = next(self.model.parameters())
+        return f"{getattr(self.model.config, '_name_or_path', '')}|{p.dtype}|{self.model.num_parameters()}"
+
     # --- evaluation -------------------------------------------------------------------
     def supports_output_subset(self) -> bool:
         """Whether :meth:`set_output_subset` can apply: a decoder whose logits are exactly the
