@@ -25,6 +25,9 @@ from .sampling import Sampler
 
 
 COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
+# A draft model that has not seen the text must first catch up on it, a one-off cost. It is
+# paid when the drafter's steady rate repays it within this many committed tokens.
+CATCH_UP_HORIZON = 64
 # Prompt lookup: acceptance is estimated separately for each kind of match (see
 # NgramDrafter.lookup): its band of match length (the number of context tokens the reused
 # occurrence agrees with), and whether the matched n-gram was always followed by the same
@@ -78,6 +81,13 @@ class AcceptanceEstimator:
             return
         self.accepted = self.decay * self.accepted + n
         self.rejected = self.decay * self.rejected + (1.0 if n < k else 0.0)
+
+    def relax(self) -> None:
+        """One step without evidence: old observations fade toward the prior (by ``decay``),
+        so that a drafter silenced by a few early rejections is tried again once its prior
+        would pay, instead of waiting for a probe."""
+        self.accepted = self.decay * self.accepted + (1.0 - self.decay) * self.prior_alpha * self.prior_weight
+        self.rejected = self.decay * self.rejected + (1.0 - self.decay) * (1.0 - self.prior_alpha) * self.prior_weight
 
     def expected(self, k: int) -> float:
         """Expected tokens committed by a step that drafts k (Eq. 1 at this alpha)."""
@@ -235,6 +245,12 @@ class SpeculationController:
             cap = min(k, avail)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
+            if kk == 0 and extra > 0:
+                # The catch-up is paid once, not every step: worth it when the time the
+                # steady rate saves per token repays it within the horizon.
+                k_s, r_s = self.plan(s, cap, 0.0, estimator=est)
+                if k_s > 0 and extra <= CATCH_UP_HORIZON * (self.target_cost(1) - 1.0 / r_s):
+                    kk, rate = k_s, r_s
             # Probe only a drafter that could pay at all: with every draft accepted, after
             # its catch-up (on a CPU a draft model that lags the text never does); for a
             # kind of prompt-lookup match, at its prior acceptance.
@@ -264,6 +280,9 @@ class SpeculationController:
                 return draft
         self._plain_streak += 1
         self.choices["none"] += 1
+        for s in self.sources:
+            if s.bands is None:  # per-kind n-gram estimates keep their evidence (priors are measured)
+                s.estimator.relax()
         return Draft([])
 
     def _continuation_rule(self, source: Source):
