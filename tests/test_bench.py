@@ -73,3 +73,23 @@ def test_peer_gets_our_weight_buffer_setting(smollm_path, monkeypatch):
     assert peer.llm.model_params.use_extra_bufts is False
     n, rate = peer.run(peer.llm.tokenize(b"def add(a, b):"), 8)
     assert n == 8 and rate > 0
+
+
+def test_bench_on_the_torch_backend_runs_transformers_peers(smollm_path, tmp_path):
+    """A torch target (smollm2's GGUF dequantized by transformers) with a torch draft: both
+    transformers peers (prompt lookup, assisted generation with that draft) are timed."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "edit-1", "category": "code_editing", "messages": [
+        {"role": "user", "content": "Return this code unchanged:\ndef area(w, h):\n    return w * h\n"}],
+        "max_tokens": 16}) + "\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "specdecode", "bench", "--target", str(smollm_path), "--backend", "torch",
+         "--draft-backend", "torch", "--prompts", str(prompts), "--config", f"{smollm_path}:2",
+         "--json", "--quiet"],
+        capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert "prompt_lookup_num_tokens" in res["meta"]["peer"] and "assistant_model" in res["meta"]["peer"]
+    o = res["summary"][f"{smollm_path}:2"]["overall"]
+    assert o["peer_prompt_lookup_tokens_per_s"] > 0 and o["peer_assisted_tokens_per_s"] > 0
+    assert o["vs_peer_assisted"] > 0 and o["parity"]["divergent"] == 0

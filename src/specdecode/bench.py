@@ -6,8 +6,10 @@ one process on the same loaded target, with the same sampling settings and max_t
 after a warm-up. Reported per category and overall: decode tokens/s (medians), speedup
 (ratio of medians), acceptance rate, mean accepted length, per-position acceptance,
 parity (exact / near-tie / divergent, from :func:`specdecode.parity.parity_report`), and
-the process's peak resident memory. Peer: llama-cpp-python's own prompt-lookup decoding
-(``LlamaPromptLookupDecoding``) on the same GGUF, where installed.
+the process's peak resident memory. Peers: for a llama.cpp target, llama-cpp-python's own
+prompt-lookup decoding (``LlamaPromptLookupDecoding``) on the same GGUF; for a torch target,
+transformers' ``generate(prompt_lookup_num_tokens=10)`` and, when a configuration uses a
+draft model on the torch backend, ``generate(assistant_model=...)`` with that draft.
 
 Decode tokens/s here is (tokens - 1) / (time of last token - time of first token) for
 every runner alike, so prefill never enters the comparison.
@@ -146,6 +148,10 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
             if peers:
                 entry["peer_prompt_lookup_tokens_per_s"] = round(_median(peers), 2)
                 entry["vs_peer"] = round(spec / _median(peers), 3)
+            assisted = [r["peer_assisted_tokens_per_s"] for r in rs if r.get("peer_assisted_tokens_per_s")]
+            if assisted:
+                entry["peer_assisted_tokens_per_s"] = round(_median(assisted), 2)
+                entry["vs_peer_assisted"] = round(spec / _median(assisted), 3)
             per[cat] = entry
         out[cfg] = per
     return out
@@ -159,13 +165,14 @@ def markdown(summary: dict, meta: dict) -> str:
     for cfg, per in summary.items():
         lines += [f"## {cfg}", "",
                   "| category | decode tok/s | plain tok/s | speedup | acceptance | mean accepted length | "
-                  "prompt-lookup peer tok/s | parity exact/near-tie/divergent |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "prompt-lookup peer tok/s | assisted peer tok/s | parity exact/near-tie/divergent |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for cat, e in per.items():
             p = e["parity"]
             lines.append(f"| {cat} | {e['decode_tokens_per_s']} | {e['plain_decode_tokens_per_s']} | "
                          f"{e['speedup']}x | {e['acceptance_rate']} | {e['mean_accepted_length']} | "
                          f"{e.get('peer_prompt_lookup_tokens_per_s', '-')} | "
+                         f"{e.get('peer_assisted_tokens_per_s', '-')} | "
                          f"{p['exact']}/{p['near-tie']}/{p['divergent']} |")
         lines.append("")
     return "\n".join(lines)
@@ -280,6 +287,66 @@ class PromptLookupPeer:
         return n, decode_rate(n, first, last)
 
 
+class TransformersPeer:
+    """transformers' own speculative decoding on the torch target (greedy): prompt lookup
+    (``prompt_lookup_num_tokens``) and, given a draft model, assisted generation
+    (``assistant_model``, transformers' default schedule). Times tokens as they stream."""
+
+    def __init__(self, model, eos_ids, assistant=None, num_pred_tokens: int = 10):
+        self.model = model
+        self.eos = sorted(eos_ids)
+        self.assistant = assistant
+        self.num_pred_tokens = num_pred_tokens
+
+    def run(self, ids: list[int], max_tokens: int, assisted: bool = False) -> tuple[int, float]:
+        """Generate greedily; returns (tokens, decode tokens/s as :func:`decode_rate`)."""
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        marks: list[float] = []
+        counts: list[int] = []
+        t0 = time.perf_counter()
+
+        class Clock(BaseStreamer):
+            prompt_seen = False
+
+            def put(self, value):
+                if not self.prompt_seen:  # the first call carries the prompt
+                    self.prompt_seen = True
+                    return
+                marks.append(time.perf_counter() - t0)
+                counts.append(int(value.numel()))
+
+            def end(self):
+                pass
+
+        device = next(self.model.parameters()).device
+        inp = torch.tensor([ids], device=device)
+        kw = {"assistant_model": self.assistant} if assisted else {"prompt_lookup_num_tokens": self.num_pred_tokens}
+        with torch.inference_mode():
+            out = self.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens,
+                                      do_sample=False, eos_token_id=self.eos or None,
+                                      pad_token_id=self.eos[0] if self.eos else None, streamer=Clock(), **kw)
+        n = int(out.shape[1]) - len(ids)
+        span = marks[-1] - marks[0] if marks else 0.0
+        # As decode_rate: the tokens after the first chunk over the time after it (a first
+        # assisted step may commit several tokens at once).
+        return n, (n - counts[0]) / span if span > 0 else 0.0
+
+
+def torch_draft_model(engines: dict):
+    """The first draft model on the torch backend among the engines' drafters, or None."""
+    from .backends.torch_backend import TorchBackend
+    from .drafters import ModelDrafter
+
+    for eng in engines.values():
+        d = eng.drafter
+        for cand in [d] + [src.drafter for src in getattr(d, "sources", [])]:
+            if isinstance(cand, ModelDrafter) and isinstance(cand.backend, TorchBackend):
+                return cand.backend.model
+    return None
+
+
 def run_bench(args) -> dict:
     from . import models
     from .api import AUTO_KMAX, Decoder, make_controller, make_drafter
@@ -327,7 +394,19 @@ def run_bench(args) -> dict:
     from tqdm import tqdm
 
     rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
-    peer, peer_note = None, None
+    peer, peer_note, assisted_peer = None, None, False
+    if args.peer and not isinstance(target, LlamaCppBackend) and hasattr(target, "model"):
+        try:
+            assistant = torch_draft_model(engines)
+            peer = TransformersPeer(target.model, target.eog_ids, assistant)
+            peer.run(w, 8)
+            peer_note = "transformers generate(prompt_lookup_num_tokens=10), greedy"
+            if assistant is not None:
+                peer.run(w, 8, assisted=True)
+                assisted_peer = True
+                peer_note += "; transformers generate(assistant_model=<the torch draft>), greedy"
+        except Exception as e:  # a peer that cannot run is reported, not fatal
+            peer, peer_note = None, f"transformers peers not run: {type(e).__name__}: {e}"
     if args.peer and isinstance(target, LlamaCppBackend):
         try:
             # The peer keeps an n_ctx x vocabulary score buffer; 2048 positions hold every
@@ -347,10 +426,12 @@ def run_bench(args) -> dict:
         bar.update(1)
         ps = plain.stats
         plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
-        peer_rate = None
+        peer_rate = assisted_rate = None
         if peer is not None:
             try:
                 peer_rate = peer.run(ids, p.max_tokens)[1]
+                if assisted_peer:
+                    assisted_rate = peer.run(ids, p.max_tokens, assisted=True)[1]
             except Exception as e:  # one failed peer run must not lose the benchmark
                 peer_note = f"{peer_note}; failed on {p.id}: {type(e).__name__}: {e}"
         for name, eng in engines.items():
@@ -367,6 +448,7 @@ def run_bench(args) -> dict:
                 "k_histogram": {str(k): v for k, v in s.k_histogram.items()},
                 "parity": parity_report(r, plain)["status"] if params.greedy else "n/a",
                 "peer_tokens_per_s": peer_rate,
+                "peer_assisted_tokens_per_s": assisted_rate,
             })
     bar.close()
     rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
@@ -389,14 +471,17 @@ def print_table(result: dict, file=sys.stdout) -> None:
         print(f"peer: {meta['peer']}", file=file)
     for cfg, per in result["summary"].items():
         print(f"\n{cfg}", file=file)
+        assisted = any("peer_assisted_tokens_per_s" in e for e in per.values())
         print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'accept':>7} {'len':>5} "
-              f"{'peer':>7} {'parity e/n/d':>13}", file=file)
+              f"{'peer':>7}{' assisted' if assisted else ''} {'parity e/n/d':>13}", file=file)
         for cat, e in per.items():
             p = e["parity"]
             peer = e.get("peer_prompt_lookup_tokens_per_s")
+            extra = f" {e.get('peer_assisted_tokens_per_s', '-'):>8}" if assisted else ""
             print(f"  {cat:14} {e['decode_tokens_per_s']:7.2f} {e['plain_decode_tokens_per_s']:7.2f} "
                   f"{(e['speedup'] or 0):7.2f}x {e['acceptance_rate']:7.3f} {e['mean_accepted_length']:5.2f} "
-                  f"{peer if peer is not None else '-':>7} {p['exact']:>5}/{p['near-tie']}/{p['divergent']}", file=file)
+                  f"{peer if peer is not None else '-':>7}{extra} {p['exact']:>5}/{p['near-tie']}/{p['divergent']}",
+                  file=file)
 
 
 def cmd_bench(args) -> int:
