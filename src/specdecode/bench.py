@@ -185,7 +185,15 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
+    files: list[str] = []
+
+    def save(fig, ax, name: str) -> None:
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+
     cfgs = list(summary)
     cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -196,11 +204,7 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([x + width * (len(cfgs) - 1) / 2 for x in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain decoding (x)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "speedup_by_category.png", dpi=110)
-    plt.close(fig)
-    files.append("speedup_by_category.png")
+    save(fig, ax, "speedup_by_category.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for cfg in cfgs:
@@ -210,11 +214,7 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / drafted")
     ax.set_ylim(0, 1.05)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_position.png", dpi=110)
-    plt.close(fig)
-    files.append("acceptance_by_position.png")
+    save(fig, ax, "acceptance_by_position.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     by_draft: dict = {}
@@ -231,11 +231,7 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     ax.axhline(plain, color="black", lw=0.8, label="plain")
     ax.set_xlabel("num_speculative_tokens (K)")
     ax.set_ylabel("decode tokens/s (median)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "tokens_per_s_vs_k.png", dpi=110)
-    plt.close(fig)
-    files.append("tokens_per_s_vs_k.png")
+    save(fig, ax, "tokens_per_s_vs_k.png")
     return files
 
 

@@ -104,9 +104,11 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.max_match = max_match
         self.last_match_len = 0  # match length behind the latest proposal (0: none)
+        self._memo: tuple | None = None  # (context object, its length, Match) of the last lookup
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         self.last_match_len = 0
+        self._memo = None
 
     def lookup(self, context: Sequence[int]) -> Match:
         """The best earlier occurrence of the context's suffix (see Match).
@@ -114,7 +116,18 @@ class NgramDrafter:
         Its length is at least min_ngram and at most max_match; Match(0, -1, False) when no
         suffix of min_ngram tokens recurs. An ambiguous match (the n-gram was followed by
         different tokens at different places) is a much weaker guess than a unique one.
+        A repeated call for the same context (the controller's plan, then propose) reuses
+        the last answer: the engine's committed list only grows, so the same object at the
+        same length is the same text.
         """
+        memo = self._memo
+        if memo is not None and memo[0] is context and memo[1] == len(context):
+            return memo[2]
+        match = self._lookup(context)
+        self._memo = (context, len(context), match)
+        return match
+
+    def _lookup(self, context: Sequence[int]) -> Match:
         ctx = np.asarray(context, dtype=np.int64)  # [L]
         L = len(ctx)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):

@@ -155,45 +155,34 @@ class _Body:
     def get(self, name: str) -> Any:
         return self.body.get(name)
 
-    def integer(self, name: str, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
+    def _typed(self, name: str, ok, kind: str) -> Any:
+        """The field's value (None when absent or null) after ``ok(value)`` holds; else a 400
+        saying it must be ``kind``."""
         v = self.body.get(name)
-        name = self.prefix + name
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise APIError(400, f"{name} must be an integer, got {_json_repr(v)}", param=name)
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if v is not None and not ok(v):
+            full = self.prefix + name
+            raise APIError(400, f"{full} must be {kind}, got {_json_repr(v)}", param=full)
+        return v
+
+    def integer(self, name: str, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
+        v = self._typed(name, lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer")
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            name = self.prefix + name
             lo_s = f"{lo} <= " if lo is not None else ""
             hi_s = f" <= {hi}" if hi is not None else ""
             raise APIError(400, f"{name} = {v} is out of range: expected {lo_s}{name}{hi_s}{why}", param=name)
         return v
 
     def number(self, name: str) -> float | None:
-        v = self.body.get(name)
-        name = self.prefix + name
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise APIError(400, f"{name} must be a number, got {_json_repr(v)}", param=name)
-        return float(v)
+        v = self._typed(name, lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x),
+                        "a number")
+        return None if v is None else float(v)
 
     def boolean(self, name: str) -> bool | None:
-        v = self.body.get(name)
-        name = self.prefix + name
-        if v is None:
-            return None
-        if not isinstance(v, bool):
-            raise APIError(400, f"{name} must be a boolean, got {_json_repr(v)}", param=name)
-        return v
+        return self._typed(name, lambda x: isinstance(x, bool), "a boolean")
 
     def string(self, name: str) -> str | None:
-        v = self.body.get(name)
-        name = self.prefix + name
-        if v is None:
-            return None
-        if not isinstance(v, str):
-            raise APIError(400, f"{name} must be a string, got {_json_repr(v)}", param=name)
-        return v
+        return self._typed(name, lambda x: isinstance(x, str), "a string")
 
 
 def _check_fields(body: dict, allowed: frozenset[str]) -> None:
