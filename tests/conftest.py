@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specdecode import models
-from specdecode.drafters import Draft
+from specdecode.drafters import Draft, DrafterBase
 from specdecode.errors import ContextOverflowError
 
 SMOLLM = "smollm2-135m-instruct"
@@ -102,7 +102,7 @@ class ScriptedBackend:
         pass
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     """Proposes exactly what the scripted target will produce (tokens past eos included)."""
 
     name = "oracle"
@@ -128,7 +128,7 @@ class OracleDrafter:
         pass
 
 
-class WrongDrafter:
+class WrongDrafter(DrafterBase):
     """Always proposes a token the target does not want (wraps another backend's argmax + 1)."""
 
     name = "wrong"

@@ -20,7 +20,7 @@ def test_is_a_backend(smollm):
 
 def test_forward_rollback_forward_equals_fresh_forward(smollm):
     ids = smollm.tokenize("The quick brown fox jumps over the lazy dog because")
-    # llama.cpp's batched and one-token kernels differ slightly (DESIGN.md).
+    # llama.cpp's batched and one-token kernels differ slightly (docs/architecture.md).
     check_forward_rollback_forward(smollm, ids, atol=1e-3)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from specdecode.controller import AcceptanceEstimator, Source, SpeculationController
 from specdecode.costmodel import CostCurve, best_k, expected_tokens, expected_tokens_positional, fit_linear, step_rate
-from specdecode.drafters import Draft, NgramDrafter, NoDrafter
+from specdecode.drafters import Draft, DrafterBase, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
 from specdecode.sampling import Sampler, SamplingParams
@@ -58,7 +58,7 @@ def test_step_rate_and_best_k_hand_computed():
     assert best_k(0.9, 8, cpu, 0.0) == 2
 
 
-class FixedDrafter:
+class FixedDrafter(DrafterBase):
     """Proposes k copies of a token; counts how often it is asked."""
 
     def __init__(self, token: int, name: str = "fixed"):

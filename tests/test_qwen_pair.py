@@ -38,3 +38,15 @@ def test_auto_controller_is_lossless_and_reports_its_choices():
         assert sum(s.k_histogram.values()) == s.target_forward_passes
         assert all(0 <= int(k) <= 8 for k in s.k_histogram)
         assert sum(dec.drafter.choices.values()) >= s.target_forward_passes - 1
+
+
+def test_registry_fingerprints_match_the_models(decoder):
+    """The tokenizer fingerprints the registry records (what --draft auto decides by) are the
+    loaded models' own; the default draft therefore serves the default target."""
+    from specdecode import models
+    from specdecode.loading import default_draft_serves
+    from specdecode.vocab import vocab_fingerprint
+
+    assert vocab_fingerprint(decoder.target) == models.get_spec(models.DEFAULT_TARGET).vocab_fingerprint
+    assert vocab_fingerprint(decoder.drafter.draft_backends()[0]) == models.get_spec(models.DEFAULT_DRAFT).vocab_fingerprint
+    assert default_draft_serves(decoder.target)

@@ -11,7 +11,9 @@ from scipy import stats as sstats
 import torch  # a test dependency (pip install -e '.[test]')
 import transformers
 
+from specdecode import models
 from specdecode.backends.torch_backend import TorchBackend
+from specdecode.vocab import vocab_fingerprint
 from specdecode.drafters import Draft, ModelDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
@@ -234,6 +236,9 @@ def test_cross_backend_llama_cpp_draft_for_torch_target(smollm_path, smollm_draf
     torch decoding."""
     target = TorchBackend.load(smollm_path, dtype="float32", device="cpu", n_ctx=1024, name="smollm2 (torch)")
     drafter = ModelDrafter(smollm_draft, target=target)  # vocabulary check across backends
+    # The tokenizer fingerprint (what --draft auto decides by) is the same on both backends.
+    assert vocab_fingerprint(target) == vocab_fingerprint(smollm_draft) == \
+        models.get_spec("smollm2-135m-instruct").vocab_fingerprint
     text = target.apply_chat_template([{"role": "user", "content": "List three fruits."}])
     ids = target.tokenize(text, add_special=False)
     assert ids == smollm_draft.tokenize(text, add_special=False, parse_special=True)

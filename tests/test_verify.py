@@ -4,7 +4,7 @@ Two kinds of test:
 
 * crafted cases whose outcome is known exactly (greedy exact match; speculative sampling
   with probabilities 0 and 1 where no randomness is left);
-* statistical tests of losslessness (DESIGN.md, "Lossless, defined"): run the real
+* statistical tests of losslessness (docs/architecture.md, "Lossless, defined"): run the real
   ``verify_speculative_sampling`` on >= 100,000 seeded trials and check with a
   chi-square test that the committed tokens are distributed as the target's
   distribution; the same harness with a deliberately wrong rule must fail.

@@ -6,7 +6,8 @@ al. 2023). Greedy output equals the target's own; sampled output has its distrib
 """
 
 from .api import Decoder, generate
-from .engine import GenerationResult, SpeculativeEngine
+from .engine import SpeculativeEngine
+from .output import GenerationResult
 from .errors import ContextOverflowError, IncompatibleVocabularyError, ModelFileError, SpecDecodeError
 from .sampling import SamplingParams
 from .stats import Stats

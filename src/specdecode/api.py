@@ -13,108 +13,19 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
+import inspect
 from typing import Iterator, Sequence
 
 from . import models
-from .backends.base import Backend
-from .backends.llama_cpp import LlamaCppBackend
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
-from .engine import GenerationResult, SpeculativeEngine
+from .drafters import NoDrafter
+from .engine import SpeculativeEngine
 from .errors import SpecDecodeError
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, check_num_speculative_tokens
+from .loading import load_backend, make_controller, make_drafter
+from .messages import check_messages
+from .output import GenerationResult
 from .parity import parity_report
 from .sampling import SamplingParams
-
-
-BACKENDS = ("auto", "llama.cpp", "torch")
-
-
-def backend_kind(name_or_path: str, backend: str = "auto") -> str:
-    """'llama.cpp' or 'torch'. auto: llama.cpp for .gguf files and registry names, torch for
-    Hugging Face folders."""
-    if backend not in BACKENDS:
-        raise SpecDecodeError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend != "auto":
-        return backend
-    return "torch" if Path(name_or_path).expanduser().is_dir() else "llama.cpp"
-
-
-def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = 4096, n_threads: int | None = None,
-                 dtype: str = "float32", device: str = "cpu", progress: bool = True) -> Backend:
-    """Load a model on the chosen backend.
-
-    llama.cpp: a registry name (pulled on first use) or a .gguf path.
-    torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
-    name (its cached conversion from ``specdecode models convert`` if present, else the GGUF).
-    """
-    kind = backend_kind(name_or_path, backend)
-    if kind == "llama.cpp":
-        path = models.resolve(name_or_path, progress=progress)
-        return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path)
-    from .backends.torch_backend import TorchBackend
-
-    path = Path(name_or_path).expanduser()
-    if name_or_path in models.REGISTRY:
-        folder = models.hf_folder(name_or_path, dtype)
-        path = folder if (folder / "config.json").exists() else models.resolve(name_or_path, progress=progress)
-    elif not path.is_dir():
-        models.check_gguf_file(path)
-    return TorchBackend.load(path, dtype=dtype, device=device, n_ctx=n_ctx, name=name_or_path)
-
-
-def make_drafter(draft: str, target: Backend, n_ctx: int = 4096, n_threads: int | None = None,
-                 progress: bool = True, backend: str = "auto", dtype: str = "float32",
-                 device: str = "cpu", draft_vocab: int = 0) -> Drafter:
-    """'none', 'ngram', or a draft model (registry name, .gguf path or HF folder on any
-    backend) checked against the target's vocabulary. draft_vocab: see ModelDrafter's
-    vocab_subset (torch drafts; 0 = the full vocabulary)."""
-    if draft == "none":
-        return NoDrafter()
-    if draft == "ngram":
-        return NgramDrafter()
-    d = load_backend(draft, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype, device=device,
-                     progress=progress)
-    try:
-        return ModelDrafter(d, target=target, vocab_subset=draft_vocab)
-    except SpecDecodeError:
-        d.close()
-        raise
-
-
-AUTO_KMAX = 8
-QWEN_VOCAB = 151936
-NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context, negligible next to a forward
-
-
-def make_controller(draft: str, target: Backend, kmax: int = 8, n_ctx: int = 4096, n_threads: int | None = None,
-                    progress: bool = True, backend: str = "auto", dtype: str = "float32",
-                    device: str = "cpu", draft_vocab: int = 0) -> Drafter:
-    """The cost-aware controller over the drafters that ``draft`` names.
-
-    draft: "auto" (n-gram lookup and the default draft model), "ngram", "none" (plain), or
-    a draft model. Measures the target's verification curve T(1..kmax+1) and the draft
-    model's cost per token once per model and machine (cached under the model cache).
-    """
-    from .controller import SpeculationController, Source
-    from .costmodel import cached_forward_curve
-
-    if draft == "none":
-        return NoDrafter()
-    curve = cached_forward_curve(target, list(range(1, kmax + 2)), models.cache_dir())
-    sources = []
-    if draft in ("auto", "ngram"):
-        sources.append(Source(NgramDrafter(), NGRAM_COST_S))
-    # "auto" adds the default draft model only for targets that share its vocabulary
-    # (the Qwen2.5 family); other targets get n-gram lookup alone.
-    if draft == "auto" and target.n_vocab != QWEN_VOCAB:
-        return SpeculationController(sources, curve, kmax=kmax)
-    if draft != "ngram":
-        model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
-                             n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device,
-                             draft_vocab=draft_vocab)
-        draft_curve = cached_forward_curve(model.backend, [1, 64], models.cache_dir())
-        sources.append(Source(model, draft_curve(1), prefill_cost=draft_curve(64) / 64))
-    return SpeculationController(sources, curve, kmax=kmax)
 
 
 class Decoder:
@@ -124,8 +35,9 @@ class Decoder:
     draft: registry name or .gguf path of a draft model, "ngram" (prompt lookup), "none"
         (plain decoding) or "auto" (n-gram lookup when it matches, else the default draft
         model when it pays, else plain); default qwen2.5-coder-0.5b-instruct.
-    num_speculative_tokens: K, drafted tokens per step (0..32), or "auto" (default): the
-        cost-aware controller chooses K in 0..8 each step (:mod:`specdecode.controller`).
+    num_speculative_tokens: K, drafted tokens per step (0..MAX_NUM_SPECULATIVE_TOKENS), or
+        "auto" (default): the cost-aware controller chooses K in 0..AUTO_KMAX each step
+        (:mod:`specdecode.controller`; both limits in :mod:`specdecode.limits`).
     n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
@@ -141,38 +53,36 @@ class Decoder:
         target: str = models.DEFAULT_TARGET,
         draft: str = models.DEFAULT_DRAFT,
         num_speculative_tokens: int | str = "auto",
-        n_ctx: int = 4096,
+        n_ctx: int = DEFAULT_N_CTX,
         n_threads: int | None = None,
         progress: bool = True,
         backend: str = "auto",
         draft_backend: str = "auto",
-        dtype: str = "float32",
-        device: str = "cpu",
+        dtype: str = DEFAULT_DTYPE,
+        device: str = DEFAULT_DEVICE,
         draft_vocab: int = 0,
     ) -> None:
         self.target_name = target
         self.draft_name = draft
+        k = check_num_speculative_tokens(num_speculative_tokens)
+        if k != "auto" and draft == "auto":
+            raise SpecDecodeError("--draft auto needs --num-speculative-tokens auto", param="num_speculative_tokens")
         if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
-            raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)")
+            raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
+                                  param="draft_vocab")
         if draft_vocab and draft in ("ngram", "none"):
-            raise SpecDecodeError(f"draft_vocab = {draft_vocab} applies to a draft model; draft {draft!r} has none")
+            raise SpecDecodeError(f"draft_vocab = {draft_vocab} applies to a draft model; draft {draft!r} has none",
+                                  param="draft_vocab")
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                    device=device, progress=progress)
         try:
             opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
                         device=device, draft_vocab=draft_vocab)
-            if num_speculative_tokens == "auto":
+            if k == "auto":
                 self.drafter = make_controller(draft, self.target, kmax=AUTO_KMAX, **opts)
                 k = AUTO_KMAX
-            elif draft == "auto":
-                raise SpecDecodeError("--draft auto needs --num-speculative-tokens auto")
-            elif isinstance(num_speculative_tokens, int) and not isinstance(num_speculative_tokens, bool):
-                self.drafter = make_drafter(draft, self.target, **opts)
-                k = num_speculative_tokens
             else:
-                raise SpecDecodeError(
-                    f"num_speculative_tokens = {num_speculative_tokens!r}: expected an integer 0..32 or 'auto'"
-                )
+                self.drafter = make_drafter(draft, self.target, **opts)
             self.engine = SpeculativeEngine(self.target, self.drafter, k)
         except BaseException:
             self.target.close()
@@ -180,11 +90,8 @@ class Decoder:
         self._plain = NoDrafter()
 
     def close(self) -> None:
-        drafters = [s.drafter for s in getattr(self.drafter, "sources", [])] or [self.drafter]
-        for d in drafters:
-            backend = getattr(d, "backend", None)
-            if backend is not None:
-                backend.close()
+        """Free the draft models and the target."""
+        self.drafter.close()
         self.target.close()
 
     def __enter__(self) -> "Decoder":
@@ -195,14 +102,15 @@ class Decoder:
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         """Tokenize a raw prompt (BOS added if the model wants it) or chat messages (the
-        model's own chat template). Exactly one of the two must be given."""
+        model's own chat template). Exactly one of the two must be given.
+        Raises SpecDecodeError naming the field at fault (see :func:`check_messages`)."""
         if (prompt is None) == (messages is None):
             raise SpecDecodeError("give exactly one of prompt or messages")
         if messages is not None:
-            text = self.target.apply_chat_template(messages)
+            text = self.target.apply_chat_template(check_messages(list(messages)))
             return self.target.tokenize(text, add_special=False, parse_special=True)
         if not isinstance(prompt, str):
-            raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}")
+            raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
         return self.target.tokenize(prompt, add_special=True, parse_special=True)
 
     def generate(self, prompt: str | None = None, *, stream: bool = False, **options) -> GenerationResult | Iterator[str]:
@@ -227,37 +135,27 @@ class Decoder:
         prompt: str | None = None,
         *,
         messages: Sequence[dict] | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        seed: int | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         stop: str | Sequence[str] | None = None,
         logprobs: int | None = None,
         plain: bool = False,
         num_speculative_tokens: int | None = None,
         record_top2_gaps: bool = False,
+        **sampling,
     ) -> Iterator[str | GenerationResult]:
         """Yield text deltas as tokens are committed and, last, the GenerationResult.
 
         prompt / messages: a raw prompt or OpenAI-style chat messages (exactly one).
-        max_tokens: exact cap (>= 1). temperature 0 is greedy; top_p, top_k, min_p and the
-        penalties shape target and draft distributions alike (see SamplingParams). seed:
-        same seed, same output. stop: string(s) that end the output (excluded from it).
+        max_tokens: exact cap (>= 1). stop: string(s) that end the output (excluded from it).
         logprobs: N most likely tokens per emitted token. plain: decode without the
         drafter (the baseline). num_speculative_tokens: override K for this call.
         record_top2_gaps: record the target's top-2 logit gap per token (parity reports).
+        sampling: the fields of :class:`SamplingParams` (temperature, top_p, top_k, min_p,
+        repetition_penalty, frequency_penalty, presence_penalty, seed); temperature 0
+        (default) is greedy; they shape target and draft distributions alike.
         Raises SpecDecodeError (with the values) for bad options or prompts that do not fit.
         """
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, seed=seed,
-        )
+        params = sampling_params(**sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.prompt_ids(prompt, messages)
         return self.engine.stream(
@@ -289,28 +187,27 @@ class Decoder:
         return spec, base, report
 
 
-def generate(
-    prompt: str | None = None,
-    *,
-    target: str = models.DEFAULT_TARGET,
-    draft: str = models.DEFAULT_DRAFT,
-    num_speculative_tokens: int | str = "auto",
-    n_ctx: int = 4096,
-    n_threads: int | None = None,
-    backend: str = "auto",
-    draft_backend: str = "auto",
-    dtype: str = "float32",
-    device: str = "cpu",
-    **kwargs,
-) -> GenerationResult | Iterator[str]:
+def sampling_params(**fields) -> SamplingParams:
+    """SamplingParams from keyword arguments; an unknown name is a SpecDecodeError naming it
+    and the known ones (a misspelt option must not be ignored)."""
+    known = SamplingParams.__dataclass_fields__
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise SpecDecodeError(f"unknown option(s) {', '.join(unknown)}: the sampling options are "
+                              f"{', '.join(known)}", param=unknown[0])
+    return SamplingParams(**fields)
+
+
+def generate(prompt: str | None = None, **options) -> GenerationResult | Iterator[str]:
     """One-shot generation: loads the models, generates, and frees them.
 
-    See :class:`Decoder` for the model options and :meth:`Decoder.generate` for the rest.
+    options: the keyword arguments of :class:`Decoder` (target, draft, ...) and of
+    :meth:`Decoder.generate` (messages, max_tokens, stream, sampling fields, ...).
     With stream=True the models stay loaded until the iterator is exhausted.
     """
-    dec = Decoder(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens,
-                  n_ctx=n_ctx, n_threads=n_threads, backend=backend, draft_backend=draft_backend,
-                  dtype=dtype, device=device)
+    model_keys = set(inspect.signature(Decoder).parameters)
+    dec = Decoder(**{k: v for k, v in options.items() if k in model_keys})
+    kwargs = {k: v for k, v in options.items() if k not in model_keys}
     if kwargs.get("stream"):
         def gen() -> Iterator[str]:
             with dec:

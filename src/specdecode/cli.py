@@ -1,4 +1,4 @@
-"""Command-line interface: ``specdecode generate`` and ``specdecode models``.
+"""Command-line interface: ``specdecode generate``, ``models``, ``serve`` and ``bench``.
 
 Errors a user can cause print one line on stderr and exit with status 1 (2 for
 malformed command lines); set SPECDECODE_DEBUG=1 to see a traceback.
@@ -10,10 +10,16 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from . import models
+from . import __version__, models
+from .bench.cli import add_bench_parser
 from .errors import SpecDecodeError
+from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs
+from .messages import check_messages
+from .options import add_model_options, add_sampling_options, check_model_args, sampling_from_args, sampling_kwargs
+from .server.cli import add_serve_parser
 
 EXIT_ERROR = 1
 
@@ -51,44 +57,78 @@ def _colour_tokens(dec, result) -> str:
         run += dec.target.token_bytes(tok)
     if run:
         out.append((run, run_flag))
-    text = "".join(
+    return "".join(
         ("\x1b[32m" + b.decode("utf-8", "replace") + "\x1b[0m") if f else b.decode("utf-8", "replace") for b, f in out
     )
-    return text
+
+
+def read_input(path: str, option: str) -> str:
+    """The text of a file, or of standard input for "-" (as llama.cpp's -f). Raises
+    SpecDecodeError naming the option and the file when it cannot be read."""
+    if path == "-":
+        return sys.stdin.read()
+    p = Path(path).expanduser()
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecDecodeError(f"{option} {path}: no such file", param=option) from None
+    except IsADirectoryError:
+        raise SpecDecodeError(f"{option} {path}: is a folder, expected a file", param=option) from None
+    except UnicodeDecodeError as e:
+        raise SpecDecodeError(f"{option} {path}: not UTF-8 text ({e.reason} at byte {e.start})", param=option) from None
+    except OSError as e:
+        raise SpecDecodeError(f"{option} {path}: cannot be read: {e.strerror}", param=option) from None
+
+
+def prompt_from_args(args: argparse.Namespace) -> tuple[str | None, list[dict] | None]:
+    """(raw prompt, None) or (None, chat messages) from --prompt/--prompt-file, --chat/--chat-file,
+    --messages-file and --system. Raises SpecDecodeError naming the option at fault."""
+    if args.messages_file is not None:
+        text = read_input(args.messages_file, "--messages-file")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"--messages-file {args.messages_file}: not valid JSON ({e.msg} at line {e.lineno}, "
+                                  f"column {e.colno})", param="--messages-file") from None
+        try:
+            messages = check_messages(value)
+        except SpecDecodeError as e:
+            raise SpecDecodeError(f"--messages-file {args.messages_file}: {e}", param="--messages-file") from None
+    elif args.chat is not None or args.chat_file is not None:
+        user = args.chat if args.chat is not None else read_input(args.chat_file, "--chat-file")
+        messages = [{"role": "user", "content": user}]
+    elif args.prompt is not None or args.prompt_file is not None:
+        if args.system is not None:
+            raise SpecDecodeError("--system applies to chat input (--chat, --chat-file or --messages-file), "
+                                  "not to a raw --prompt", param="--system")
+        return (args.prompt if args.prompt is not None else read_input(args.prompt_file, "--prompt-file")), None
+    else:
+        raise SpecDecodeError("give the input: --prompt TEXT, --chat TEXT, --prompt-file PATH|-, --chat-file PATH|- "
+                              "or --messages-file PATH|-")
+    if args.system is not None:
+        if messages[0]["role"] == "system":
+            raise SpecDecodeError("--system given, but the conversation already starts with a system message",
+                                  param="--system")
+        messages = [{"role": "system", "content": args.system}] + messages
+    return None, messages
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .api import Decoder
-    from .engine import GenerationResult
+    from .options import decoder_from_args
+    from .output import GenerationResult
 
-    if args.prompt is None and args.chat is None:
-        raise SpecDecodeError("give --prompt TEXT or --chat TEXT")
+    # Every check that needs no model comes first (fast, clear errors).
     if args.max_tokens < 1:
         raise SpecDecodeError(f"--max-tokens {args.max_tokens} is out of range: expected >= 1")
-    if args.logprobs is not None and not (0 <= args.logprobs <= 20):
-        raise SpecDecodeError(f"--logprobs {args.logprobs} is out of range: expected 0..20")
-    messages = [{"role": "user", "content": args.chat}] if args.chat is not None else None
-    gen_kwargs = dict(
-        messages=messages, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-        stop=args.stop or None, logprobs=args.logprobs,
-    )
-    # Validate sampling options before loading models (fast, clear errors).
-    from .sampling import SamplingParams
+    check_logprobs(args.logprobs, "--logprobs")
+    sampling_from_args(args)
+    check_model_args(args)
+    prompt, messages = prompt_from_args(args)
+    gen_kwargs = dict(messages=messages, max_tokens=args.max_tokens, stop=args.stop or None, logprobs=args.logprobs,
+                      **sampling_kwargs(args))
+    label = f"speculative (draft {args.draft}, K={args.num_speculative_tokens})"
 
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                   repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                   presence_penalty=args.presence_penalty, seed=args.seed)
-    k = args.num_speculative_tokens
-    if k != "auto" and not (0 <= k <= 32):
-        raise SpecDecodeError(f"--num-speculative-tokens {k} is out of range: expected 0..32 or auto")
-
-    with Decoder(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
-                 n_ctx=args.ctx_size, n_threads=args.threads, progress=not args.quiet, backend=args.backend,
-                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
-                 draft_vocab=args.draft_vocab) as dec:
-        prompt = args.prompt
+    with decoder_from_args(args, progress=not args.quiet) as dec:
         if args.json or args.compare:
             if args.compare:
                 result, base, report = dec.compare(prompt, **gen_kwargs)
@@ -101,12 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(obj, ensure_ascii=False))
                 return 0
-            if args.show_acceptance:
-                print(_colour_tokens(dec, result))
-            else:
-                print(result.text)
-            print(_stats_block(f"speculative (draft {args.draft}, K={args.num_speculative_tokens})",
-                               obj["stats"]), file=sys.stderr)
+            print(_colour_tokens(dec, result) if args.show_acceptance else result.text)
+            print(_stats_block(label, obj["stats"]), file=sys.stderr)
             print(_stats_block("plain (draft none)", base.stats.to_dict()), file=sys.stderr)
             print(f"speedup {report['speedup']}x, parity: {json.dumps(report['parity'])}", file=sys.stderr)
             return 0
@@ -123,8 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(item)
                     sys.stdout.flush()
             sys.stdout.write("\n")
-        print(_stats_block(f"speculative (draft {args.draft}, K={args.num_speculative_tokens}), "
-                           f"finish_reason {result.finish_reason}", result.stats.to_dict()), file=sys.stderr)
+        print(_stats_block(f"{label}, finish_reason {result.finish_reason}", result.stats.to_dict()), file=sys.stderr)
     return 0
 
 
@@ -135,8 +170,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     if args.models_cmd == "pull":
         for name in args.names:
-            path = models.pull(name, progress=not args.quiet)
-            print(path)
+            print(models.pull(name, progress=not args.quiet))
         return 0
     rows = models.list_models()
     if args.json:
@@ -149,80 +183,32 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def k_value(text: str) -> int | str:
-    """argparse type for --num-speculative-tokens: an integer or 'auto'."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer 0..32 or 'auto', got {text!r}") from None
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: expected an integer >= 0")
-    return value
-
-
-def add_backend_options(p: argparse.ArgumentParser) -> None:
-    """--backend, --draft-backend, --dtype, --device (shared by generate, serve and bench)."""
-    p.add_argument("--backend", choices=["auto", "llama.cpp", "torch"], default="auto",
-                   help="target backend; auto: llama.cpp for .gguf files and registry names, torch for "
-                        "Hugging Face folders (default: %(default)s)")
-    p.add_argument("--draft-backend", choices=["auto", "llama.cpp", "torch"], default="auto",
-                   help="draft model backend, as --backend")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="torch backend weights (default: %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                   help="torch backend device (default: %(default)s)")
-    p.add_argument("--draft-vocab", type=_non_negative_int, default=0, metavar="N",
-                   help="a draft model on the torch backend (--draft-backend torch) scores only token ids "
-                        "< N, the prompt's tokens and end-of-generation ids (FR-Spec; cheaper drafts, same "
-                        "output; default: 0 = all)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding of LLMs.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text speculatively and print statistics")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw prompt text")
     src.add_argument("--chat", help="a user message, rendered with the model's own chat template")
-    g.add_argument("--target", default=models.DEFAULT_TARGET, help="registry name or .gguf path (default: %(default)s)")
-    g.add_argument("--draft", default=models.DEFAULT_DRAFT,
-                   help="registry name, .gguf path, Hugging Face folder, 'ngram' (prompt lookup), 'none' (plain decoding) or 'auto' "
-                        "(n-gram when it matches, else the default draft model when it pays) (default: %(default)s)")
-    g.add_argument("--num-speculative-tokens", "-k", type=k_value, default="auto",
-                   help="K, drafted tokens per step (0..32), or 'auto': chosen each step from measured costs "
-                        "(default: %(default)s)")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    src.add_argument("--prompt-file", metavar="PATH|-", help="raw prompt read from a file, or '-' for standard input")
+    src.add_argument("--chat-file", metavar="PATH|-", help="the user message read from a file, or '-' for standard input")
+    src.add_argument("--messages-file", metavar="PATH|-",
+                     help='a conversation: a JSON list of {"role": "system"|"user"|"assistant", "content": ...}')
+    g.add_argument("--system", metavar="TEXT", help="a system message before the chat input")
+    add_model_options(g)
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="exact cap on generated tokens (default: %(default)s)")
+    add_sampling_options(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="record the N most likely tokens per emitted token (target's raw distribution)")
+                   help=f"record the N (0..{MAX_LOGPROBS}) most likely tokens per emitted token (target's raw "
+                        "distribution)")
     g.add_argument("--compare", action="store_true", help="also run plain decoding; report speedup and parity")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.add_argument("--show-acceptance", action="store_true", help="colour accepted drafts green")
-    g.add_argument("--ctx-size", type=int, default=4096, help="context window in tokens")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_backend_options(g)
     g.set_defaults(func=cmd_generate)
 
-    m = sub.add_parser("models", help="list or pull registry models")
+
+def add_models_parser(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser("models", help="list, pull or convert registry models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     ml = msub.add_parser("list", help="list registry models and whether they are cached")
     ml.add_argument("--json", action="store_true")
@@ -234,13 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
     mc = msub.add_parser("convert", help="dequantize a registry GGUF once into a cached Hugging Face folder "
                                          "(for --backend torch)")
     mc.add_argument("names", nargs="+", choices=list(models.REGISTRY), metavar="NAME")
-    mc.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    mc.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     mc.add_argument("--quiet", action="store_true")
     mc.set_defaults(func=cmd_models)
 
-    from .bench import add_bench_parser
-    from .server import add_serve_parser
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding of LLMs.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_models_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
     return p

@@ -19,8 +19,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .backends.base import Backend
 from .costmodel import CostCurve, expected_tokens, expected_tokens_positional
-from .drafters import Draft, Drafter, ModelDrafter
+from .drafters import ContinuationRule, Draft, Drafter, DrafterBase
+from .limits import AUTO_KMAX
 from .sampling import Sampler
 
 
@@ -143,12 +145,12 @@ class Source:
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     probe_gap: int = 0  # plain steps before the next probe; set by the controller
     prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
-    # For a drafter with lookup(context) -> Match (prompt lookup): one acceptance estimate
-    # per kind of match, (band index, unique), used instead of ``estimator``.
+    # For a drafter with lookup(context) -> Match (prompt lookup, ``has_lookup``): one
+    # acceptance estimate per kind of match, (band index, unique), used instead of ``estimator``.
     bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
 
     def __post_init__(self) -> None:
-        if self.bands is None and hasattr(self.drafter, "lookup"):
+        if self.bands is None and self.drafter.has_lookup:
             self.bands = {(i, u): TwoRateEstimator(a1, a)
                           for u, priors in MATCH_PRIORS.items() for i, (a1, a) in enumerate(priors)}
 
@@ -165,15 +167,14 @@ class Source:
     def catch_up(self, context: Sequence[int]) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
         first feed every committed token it has not seen)."""
-        pending = getattr(self.drafter, "pending", None)
-        return pending(context) * self.prefill_cost if pending is not None else 0.0
+        return self.drafter.pending(context) * self.prefill_cost
 
     @property
     def name(self) -> str:
         return self.drafter.name
 
 
-class SpeculationController:
+class SpeculationController(DrafterBase):
     """Chooses drafter and K per step; implements the Drafter protocol.
 
     sources: drafters with their measured cost per token (seconds). target_cost: T(n) of
@@ -187,8 +188,8 @@ class SpeculationController:
 
     name = "auto"
 
-    def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = 8, probe_every: int = 16,
-                 max_probe_gap: int = 256):
+    def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = AUTO_KMAX,
+                 probe_every: int = 16, max_probe_gap: int = 256):
         if not sources:
             raise ValueError("the controller needs at least one drafter")
         self.sources = list(sources)
@@ -198,6 +199,7 @@ class SpeculationController:
         self.max_probe_gap = max_probe_gap
         for s in self.sources:
             s.probe_gap = probe_every
+            s.drafter.set_continuation_rule(self._continuation_rule(s))
         self._last: Source | None = None
         self._last_est: AcceptanceEstimator | TwoRateEstimator | None = None
         self._last_k = 0
@@ -213,6 +215,18 @@ class SpeculationController:
     def finish(self, committed: Sequence[int]) -> None:
         for s in self.sources:
             s.drafter.finish(committed)
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.drafter.close()
+
+    def draft_backends(self) -> list[Backend]:
+        return [b for s in self.sources for b in s.drafter.draft_backends()]
+
+    @property
+    def drafter_names(self) -> list[str]:
+        """The names of the drafters chosen among (besides "none", plain decoding)."""
+        return [s.name for s in self.sources]
 
     def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None,
              estimator: AcceptanceEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
@@ -265,8 +279,6 @@ class SpeculationController:
             if kk > 0:
                 plans.append((rate, s, kk, probe, est))
         for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
-            if isinstance(s.drafter, ModelDrafter):
-                s.drafter.keep_drafting = self._continuation_rule(s)
             t0 = time.perf_counter()
             draft = s.drafter.propose(context, kk)
             if draft.token_ids:
@@ -285,7 +297,7 @@ class SpeculationController:
                 s.estimator.relax()
         return Draft([])
 
-    def _continuation_rule(self, source: Source):
+    def _continuation_rule(self, source: Source) -> ContinuationRule:
         """Draft token i+1 only while its chance of being accepted (the product of the draft
         model's own top probabilities so far) times the time one plain step takes exceeds
         what drafting it and verifying one more position cost."""

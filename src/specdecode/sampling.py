@@ -4,7 +4,7 @@ Dimension letters: V = vocabulary size, N = number of positions.
 
 The same :class:`Sampler` shapes the target's logits at every verified position and the
 draft model's logits when it drafts, so both distributions of the speculative sampling
-rule are transformed the same way (DESIGN.md, Invariants). History-dependent penalties
+rule are transformed the same way (docs/architecture.md, Invariants). History-dependent penalties
 are computed from exactly the token prefix that ends at the position being scored.
 
 Order of transforms (as in Hugging Face transformers' logits processors):
@@ -19,7 +19,6 @@ from typing import Sequence
 import numpy as np
 
 from .errors import SpecDecodeError
-from .verify import sample_token
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> SpecDecodeError:
-            return SpecDecodeError(f"{name} = {value!r} is out of range: {allowed}")
+            return SpecDecodeError(f"{name} = {value!r} is out of range: {allowed}", param=name)
 
         if not (0.0 <= self.temperature <= 100.0):
             raise bad("temperature", self.temperature, "expected 0 <= temperature <= 100 (0 = greedy)")
@@ -157,6 +156,25 @@ class Sampler:
     def sample(self, probs: np.ndarray) -> int:
         """Draw one token id from probs [V] with this sampler's generator."""
         return sample_token(probs, self.rng)
+
+
+def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from probs: [V] (non-negative, any positive sum)."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    total = cdf[-1]
+    if not total > 0.0:
+        raise ValueError("cannot sample from a distribution with zero mass")
+    idx = int(np.searchsorted(cdf, rng.random() * total, side="right"))
+    # Guard against idx == V when the uniform draw lands on the top edge in floating point.
+    idx = min(idx, len(cdf) - 1)
+    while probs[idx] <= 0.0:  # skip zero-probability slots that share a cdf value
+        idx -= 1
+    return idx
+
+
+def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Sample one token id from probs: [V], a (possibly unnormalised) distribution."""
+    return _sample(np.asarray(probs, dtype=np.float64), rng)
 
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Statistics of one generation, with the names DESIGN.md fixes.
+"""Statistics of one generation, with the names docs/architecture.md fixes.
 
 Units: seconds for *_s fields, tokens for counts.
 """

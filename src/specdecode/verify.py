@@ -20,6 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .sampling import sample_token
+
 
 @dataclass(frozen=True)
 class VerifyResult:
@@ -65,25 +67,6 @@ def verify_greedy(draft_ids: Sequence[int], target_argmax: Sequence[int]) -> Ver
     while n < k and int(draft_ids[n]) == int(target_argmax[n]):
         n += 1
     return VerifyResult(num_accepted=n, next_token=int(target_argmax[n]), is_bonus=(n == k))
-
-
-def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one index from probs: [V] (non-negative, any positive sum)."""
-    cdf = np.cumsum(probs, dtype=np.float64)
-    total = cdf[-1]
-    if not total > 0.0:
-        raise ValueError("cannot sample from a distribution with zero mass")
-    idx = int(np.searchsorted(cdf, rng.random() * total, side="right"))
-    # Guard against idx == V when the uniform draw lands on the top edge in floating point.
-    idx = min(idx, len(cdf) - 1)
-    while probs[idx] <= 0.0:  # skip zero-probability slots that share a cdf value
-        idx -= 1
-    return idx
-
-
-def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Sample one token id from probs: [V], a (possibly unnormalised) distribution."""
-    return _sample(np.asarray(probs, dtype=np.float64), rng)
 
 
 def verify_speculative_sampling(
@@ -134,5 +117,5 @@ def verify_speculative_sampling(
             # Only reachable through floating-point round-off when target == draft; then
             # sampling from the target itself is the correct limit.
             residual = np.asarray(target_probs[i], dtype=np.float64)
-        return VerifyResult(num_accepted=i, next_token=_sample(residual, rng), is_bonus=False)
-    return VerifyResult(num_accepted=k, next_token=_sample(np.asarray(target_probs[k], dtype=np.float64), rng), is_bonus=True)
+        return VerifyResult(num_accepted=i, next_token=sample_token(residual, rng), is_bonus=False)
+    return VerifyResult(num_accepted=k, next_token=sample_token(target_probs[k], rng), is_bonus=True)

@@ -6,11 +6,17 @@ requested, V = vocabulary size.
 KV-cache discipline: a backend holds one sequence. ``forward`` appends tokens at
 positions ``kv_len .. kv_len+N-1``; ``rollback(n)`` drops every cached position >= n so
 that the next ``forward`` continues from position n. Rollback is the one named call
-for rejecting drafted tokens (as llama.cpp's ``llama_memory_seq_rm``).
+for rejecting drafted tokens (as llama.cpp's ``llama_memory_seq_rm``), and for reusing a
+cached prefix across generations (:func:`common_prefix_len`).
+
+Optional abilities are declared, not probed: ``supports_greedy_draft`` (a whole greedy
+draft on the device, :meth:`Backend.greedy_draft`) and ``supports_output_subset()``
+(logits for a subset of the vocabulary, :meth:`Backend.set_output_subset`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -18,11 +24,28 @@ import numpy as np
 from ..errors import ContextOverflowError, SpecDecodeError
 
 
+def common_prefix_len(cached: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of two token lists, at most ``limit``: how much of
+    a KV cache holding ``cached`` can be kept (``rollback(n)``) for ``tokens``."""
+    n, end = 0, min(len(cached), len(tokens), len(tokens) if limit is None else limit)
+    while n < end and cached[n] == tokens[n]:
+        n += 1
+    return n
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a single-sequence KV cache."""
 
     name: str  # human-readable model name (file or registry name)
+    path: Path | None  # the model file or folder, when loaded from one
+    n_threads: int | None  # CPU threads, where the backend has a setting
+    device: str  # where the weights live ("cpu", "cuda")
+    supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
+
+    @property
+    def cost_key(self) -> str:
+        """What a measured latency depends on beyond the file (e.g. dtype); "" if nothing."""
 
     @property
     def n_vocab(self) -> int:
@@ -65,12 +88,26 @@ class Backend(Protocol):
     def close(self) -> None:
         """Free the model and its context."""
 
+    def greedy_draft(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Feed token_ids [N], then draft k tokens greedily; returns the k ids (only where
+        supports_greedy_draft). The cache then holds token_ids and the first k-1 drafts."""
+
+    def supports_output_subset(self) -> bool:
+        """Whether set_output_subset can restrict the logits to some token ids."""
+
+    def set_output_subset(self, ids: Sequence[int] | None) -> None:
+        """Compute logits only for ids (others -inf); None restores the whole vocabulary."""
+
 
 class BackendBase:
-    """Shared state and argument checks of the concrete backends (subclasses set
-    _n_vocab, _n_ctx, _kv_len, _eog and name)."""
+    """Shared state, argument checks and the default (absent) optional abilities of the
+    concrete backends (subclasses set _n_vocab, _n_ctx, _kv_len, _eog and name)."""
 
     name: str
+    path: Path | None = None
+    n_threads: int | None = None
+    device: str = "cpu"
+    supports_greedy_draft = False
     _n_vocab: int
     _n_ctx: int
     _kv_len: int
@@ -91,6 +128,19 @@ class BackendBase:
     @property
     def eog_ids(self) -> frozenset[int]:
         return self._eog
+
+    @property
+    def cost_key(self) -> str:
+        return ""
+
+    def greedy_draft(self, token_ids: Sequence[int], k: int) -> list[int]:
+        raise RuntimeError(f"{type(self).__name__} drafts token by token (supports_greedy_draft is False)")
+
+    def supports_output_subset(self) -> bool:
+        return False
+
+    def set_output_subset(self, ids: Sequence[int] | None) -> None:
+        raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot restrict its output to a vocabulary subset")
 
     def _check_forward(self, tokens: Sequence[int], logits_for: Sequence[int]) -> list[int]:
         """Validate a forward call; returns the requested rows, sorted and unique.

@@ -18,10 +18,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
+from ..limits import DEVICES, DTYPES
 from .base import BackendBase
 
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda", "auto")
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -99,6 +98,8 @@ class TorchBackend(BackendBase):
     one, token i renders as "<i>"). n_ctx: positions preallocated in the cache.
     """
 
+    supports_greedy_draft = True
+
     def __init__(self, model, tokenizer=None, n_ctx: int = 4096, name: str = "torch-model") -> None:
         torch, transformers = _import_torch()
         self._torch = torch
@@ -133,7 +134,7 @@ class TorchBackend(BackendBase):
         """
         torch, transformers = _import_torch()
         if dtype not in DTYPES:
-            raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}", param="dtype")
         dev = resolve_device(device)
         path = Path(path).expanduser()
         if not path.exists():

@@ -1,0 +1,63 @@
+"""``specdecode bench`` on the command line: its options, and turning them into a
+:class:`BenchConfig`. Model and sampling options are the shared ones of
+:mod:`specdecode.options`; only the bench's own are declared here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..options import add_model_options, add_sampling_options, check_model_args, sampling_from_args
+from .report import print_table, write_outputs
+from .runner import DEFAULT_CONFIGS, BenchConfig, run_bench
+from .suite import DEFAULT_BENCH_MAX_TOKENS
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand (runs :func:`cmd_bench`) to an argparse subparsers object."""
+    b = subparsers.add_parser("bench", help="benchmark speculative against plain decoding, per prompt category")
+    # Drafts come in through --config, so no --draft / -k here.
+    add_model_options(b, draft=False)
+    add_sampling_options(b, seed=0)  # a fixed seed: sampled runs are comparable across configurations
+    b.add_argument("--prompts", default=None, help="JSON Lines prompt file (default: the built-in suite)")
+    b.add_argument("--config", action="append", metavar="DRAFT[:K]",
+                   help="a configuration to compare with plain decoding, e.g. auto:auto, ngram:4, "
+                        "qwen2.5-coder-0.5b-instruct:3 (repeatable; default auto:auto)")
+    b.add_argument("--categories", default=None, help="comma-separated categories to run")
+    b.add_argument("--per-category", type=int, default=None, help="at most this many prompts per category")
+    b.add_argument("--max-tokens", type=int, default=DEFAULT_BENCH_MAX_TOKENS,
+                   help="for prompts without their own max_tokens (default: %(default)s)")
+    b.add_argument("--no-peer", dest="peer", action="store_false",
+                   help="skip the peers (llama-cpp-python's prompt lookup; transformers' generate)")
+    b.add_argument("--out", default=None, help="folder for results.json, results.md and PNG plots")
+    b.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The BenchConfig that parsed ``bench`` options describe.
+    Raises SpecDecodeError naming an out-of-range option, before any model is loaded."""
+    check_model_args(args)
+    return BenchConfig(
+        target=args.target, prompts=args.prompts, configs=tuple(args.config or DEFAULT_CONFIGS),
+        categories=tuple(args.categories.split(",")) if args.categories else None,
+        per_category=args.per_category, max_tokens=args.max_tokens, sampling=sampling_from_args(args),
+        n_ctx=args.ctx_size, n_threads=args.threads, backend=args.backend, draft_backend=args.draft_backend,
+        dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
+        progress=not args.quiet,
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the bench; write --out files; print the JSON result (--json) or a table. Returns 0."""
+    result = run_bench(config_from_args(args))
+    if args.out:
+        write_outputs(result, Path(args.out))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0

@@ -1,0 +1,183 @@
+"""Summaries and reports of a bench result: per-category statistics, a Markdown table,
+PNG plots (matplotlib, imported only when plotting) and the terminal table.
+
+Units: tokens/s for rates (medians over prompts), MB for resident memory, speedups are
+ratios of medians.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Sequence, TextIO
+
+from .suite import CATEGORIES, parse_config
+
+PARITY_STATES = ("exact", "near-tie", "divergent")
+
+
+def _median(xs: Sequence[float]) -> float:
+    # Rates of 0 mean "not measurable" (one token, or no span); they would drag medians down.
+    xs = [x for x in xs if x > 0]
+    return statistics.median(xs) if xs else 0.0
+
+
+def _per_position(rows: list[dict], key: str, width: int) -> list[int]:
+    return [sum(r[key][i] for r in rows if i < len(r[key])) for i in range(width)]
+
+
+def summarize(rows: list[dict], configs: list[str]) -> dict:
+    """Per configuration, per category and "overall": median decode tokens/s (speculative,
+    plain, peers), speedup, acceptance rate, mean accepted length, per-position acceptance
+    and parity counts."""
+    cats = sorted({r["category"] for r in rows}, key=lambda c: (CATEGORIES + (c,)).index(c))
+    out: dict = {}
+    for cfg in configs:
+        per: dict = {}
+        for cat in cats + ["overall"]:
+            rs = [r for r in rows if r["config"] == cfg and (cat == "overall" or r["category"] == cat)]
+            if not rs:
+                continue
+            spec = _median([r["spec_tokens_per_s"] for r in rs])
+            plain = _median([r["plain_tokens_per_s"] for r in rs])
+            drafted = sum(r["drafted"] for r in rs)
+            accepted = sum(r["accepted"] for r in rs)
+            tokens = sum(r["completion_tokens"] for r in rs)
+            passes = sum(r["target_forward_passes"] for r in rs)
+            width = max((len(r["accepted_per_position"]) for r in rs), default=0)
+            acc_pos = _per_position(rs, "accepted_per_position", width)
+            dr_pos = _per_position(rs, "drafted_per_position", width)
+            entry = {
+                "prompts": len(rs),
+                "decode_tokens_per_s": round(spec, 2),
+                "plain_decode_tokens_per_s": round(plain, 2),
+                "speedup": round(spec / plain, 3) if plain else None,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+                "mean_accepted_length": round(tokens / passes, 3) if passes else 0.0,
+                "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(acc_pos, dr_pos)],
+                "parity": {s: sum(r["parity"] == s for r in rs) for s in PARITY_STATES},
+            }
+            for row_key, rate_key, ratio_key in (
+                    ("peer_tokens_per_s", "peer_prompt_lookup_tokens_per_s", "vs_peer"),
+                    ("peer_assisted_tokens_per_s", "peer_assisted_tokens_per_s", "vs_peer_assisted")):
+                peer = _median([r[row_key] for r in rs if r.get(row_key)])
+                if peer:
+                    entry[rate_key] = round(peer, 2)
+                    entry[ratio_key] = round(spec / peer, 3)
+            per[cat] = entry
+        out[cfg] = per
+    return out
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    """The summary as Markdown: a header with the run's settings, one table per configuration."""
+    lines = [f"# specdecode bench: {meta['target']}", "",
+             f"{meta['prompts']} prompts, temperature {meta['temperature']}, {meta['threads']} threads, "
+             f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer loads, {meta['peak_rss_mb']:.0f} MB in all",
+             f"peer: {meta.get('peer')}", ""]
+    for cfg, per in summary.items():
+        lines += [f"## {cfg}", "",
+                  "| category | decode tok/s | plain tok/s | speedup | acceptance | mean accepted length | "
+                  "prompt-lookup peer tok/s | assisted peer tok/s | parity exact/near-tie/divergent |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for cat, e in per.items():
+            p = e["parity"]
+            lines.append(f"| {cat} | {e['decode_tokens_per_s']} | {e['plain_decode_tokens_per_s']} | "
+                         f"{e['speedup']}x | {e['acceptance_rate']} | {e['mean_accepted_length']} | "
+                         f"{e.get('peer_prompt_lookup_tokens_per_s', '-')} | "
+                         f"{e.get('peer_assisted_tokens_per_s', '-')} | "
+                         f"{p['exact']}/{p['near-tie']}/{p['divergent']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
+    """Write speedup by category, acceptance by draft position and tokens/s against K as
+    PNGs into ``out``; returns their file names. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files: list[str] = []
+
+    def save(fig, ax, name: str) -> None:
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+
+    cfgs = list(summary)
+    cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(1, len(cfgs))
+    for i, cfg in enumerate(cfgs):
+        vals = [summary[cfg].get(c, {}).get("speedup") or 0 for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=cfg)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([x + width * (len(cfgs) - 1) / 2 for x in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain decoding (x)")
+    save(fig, ax, "speedup_by_category.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cfg in cfgs:
+        acc = summary[cfg]["overall"]["per_position_acceptance"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc], marker="o", label=cfg)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafted")
+    ax.set_ylim(0, 1.05)
+    save(fig, ax, "acceptance_by_position.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_draft: dict = {}
+    for cfg in cfgs:
+        draft, k = parse_config(cfg)
+        if k != "auto":
+            by_draft.setdefault(draft, []).append((k, summary[cfg]["overall"]["decode_tokens_per_s"]))
+        else:
+            ax.axhline(summary[cfg]["overall"]["decode_tokens_per_s"], ls="--", lw=1, label=f"{cfg}")
+    for draft, pts in by_draft.items():
+        pts.sort()
+        ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=f"{draft}, fixed K")
+    plain = _median([r["plain_tokens_per_s"] for r in rows])
+    ax.axhline(plain, color="black", lw=0.8, label="plain")
+    ax.set_xlabel("num_speculative_tokens (K)")
+    ax.set_ylabel("decode tokens/s (median)")
+    save(fig, ax, "tokens_per_s_vs_k.png")
+    return files
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    """Write results.json, results.md and the plots into folder ``out`` (created if
+    missing); records the plot file names in ``result["meta"]["plots"]``. Raises OSError
+    when the folder cannot be written, ImportError without matplotlib."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(markdown(result["summary"], result["meta"]))
+    result["meta"]["plots"] = plots(result["summary"], result["rows"], out)
+
+
+def print_table(result: dict, file: TextIO = sys.stdout) -> None:
+    """The summary as a plain-text table, one block per configuration."""
+    meta = result["meta"]
+    print(f"target {meta['target']}, {meta['prompts']} prompts, temperature {meta['temperature']}, "
+          f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer, {meta['peak_rss_mb']:.0f} MB in all", file=file)
+    if meta.get("peer"):
+        print(f"peer: {meta['peer']}", file=file)
+    for cfg, per in result["summary"].items():
+        print(f"\n{cfg}", file=file)
+        assisted = any("peer_assisted_tokens_per_s" in e for e in per.values())
+        print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'accept':>7} {'len':>5} "
+              f"{'peer':>7}{' assisted' if assisted else ''} {'parity e/n/d':>13}", file=file)
+        for cat, e in per.items():
+            p = e["parity"]
+            peer = e.get("peer_prompt_lookup_tokens_per_s")
+            extra = f" {e.get('peer_assisted_tokens_per_s', '-'):>8}" if assisted else ""
+            print(f"  {cat:14} {e['decode_tokens_per_s']:7.2f} {e['plain_decode_tokens_per_s']:7.2f} "
+                  f"{(e['speedup'] or 0):7.2f}x {e['acceptance_rate']:7.3f} {e['mean_accepted_length']:5.2f} "
+                  f"{peer if peer is not None else '-':>7}{extra} {p['exact']:>5}/{p['near-tie']}/{p['divergent']}",
+                  file=file)

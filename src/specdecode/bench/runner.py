@@ -1,0 +1,195 @@
+"""The benchmark run as a library call: :class:`BenchConfig` in, result dict out.
+
+For every prompt, plain decoding and each configuration run back to back in one process
+on the same loaded target, with the same sampling settings and max_tokens, after a
+warm-up; the peers (:mod:`.peers`) run on the same prompts.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import models
+from ..api import Decoder
+from ..backends.base import Backend
+from ..engine import SpeculativeEngine
+from ..errors import SpecDecodeError
+from ..limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX
+from ..loading import make_controller, make_drafter
+from ..output import GenerationResult
+from ..parity import parity_report
+from ..sampling import SamplingParams
+from .peers import decode_rate, start_peer
+from .report import summarize
+from .suite import DEFAULT_BENCH_MAX_TOKENS, BenchPrompt, load_prompts, parse_config, select_prompts
+
+DEFAULT_CONFIGS = ("auto:auto",)
+WARMUP_TOKENS = 8  # tokens each engine and peer generates once before timing
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``specdecode bench`` runs.
+
+    target: registry name, .gguf path or Hugging Face folder.
+    prompts: JSON Lines prompt file (None: the built-in suite; format in :func:`load_prompts`).
+    configs: "DRAFT:K" configurations compared with plain decoding (see :func:`parse_config`).
+    categories: only prompts of these categories (None: all). per_category: at most this
+        many prompts per category (None: all).
+    max_tokens: completion cap in tokens for prompts without their own.
+    sampling: the sampling settings of every run (parity is checked only when greedy).
+    n_ctx: context window in tokens. n_threads: CPU threads (None: all cores).
+    backend, draft_backend: "auto", "llama.cpp" or "torch"; dtype, device: for the torch
+        backend; draft_vocab: see :class:`specdecode.drafters.ModelDrafter` (0 = all).
+    peer: also time the peers. progress: progress bars on stderr.
+
+    Raises SpecDecodeError naming the field when a value is out of range (before any
+    model is loaded).
+    """
+
+    target: str = models.DEFAULT_TARGET
+    prompts: str | Path | None = None
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    categories: tuple[str, ...] | None = None
+    per_category: int | None = None
+    max_tokens: int = DEFAULT_BENCH_MAX_TOKENS
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=0))
+    n_ctx: int = DEFAULT_N_CTX
+    n_threads: int | None = None
+    backend: str = "auto"
+    draft_backend: str = "auto"
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
+    draft_vocab: int = 0
+    peer: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        # Lists from callers become tuples, so configs stay immutable and comparable.
+        object.__setattr__(self, "configs", tuple(self.configs))
+        if self.categories is not None:
+            object.__setattr__(self, "categories", tuple(self.categories))
+        if not self.configs:
+            raise SpecDecodeError("configs is empty: give at least one DRAFT:K", param="configs")
+        for c in self.configs:
+            parse_config(c)
+        if self.max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens = {self.max_tokens} is out of range: expected >= 1", param="max_tokens")
+        if self.per_category is not None and self.per_category < 1:
+            raise SpecDecodeError(f"per_category = {self.per_category} is out of range: expected >= 1 or None",
+                                  param="per_category")
+
+    def parsed_configs(self) -> list[tuple[str, int | str]]:
+        """configs as (draft, K) pairs."""
+        return [parse_config(c) for c in self.configs]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, SpeculativeEngine]) -> None:
+    """Add one engine per configuration to ``engines`` (filled in place, so that a failure
+    part way still leaves the drafters loaded so far to be closed)."""
+    opts = dict(n_ctx=config.n_ctx, n_threads=config.n_threads, progress=config.progress,
+                backend=config.draft_backend, dtype=config.dtype, device=config.device, draft_vocab=config.draft_vocab)
+    for draft, k in config.parsed_configs():
+        if f"{draft}:{k}" in engines:  # "ngram" and "ngram:auto" name the same configuration
+            continue
+        if k == "auto":
+            drafter = make_controller(draft, target, kmax=AUTO_KMAX, **opts)
+            engines[f"{draft}:{k}"] = SpeculativeEngine(target, drafter, AUTO_KMAX)
+        else:
+            engines[f"{draft}:{k}"] = SpeculativeEngine(target, make_drafter(draft, target, **opts), k)
+
+
+def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationResult, plain_rate: float, greedy: bool,
+         peer_rate: float | None, assisted_rate: float | None) -> dict:
+    s = result.stats
+    return {
+        "id": p.id, "category": p.category, "config": name,
+        "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+        "spec_tokens_per_s": decode_rate(s.completion_tokens, s.first_token_s, s.prefill_s + s.decode_s),
+        "plain_tokens_per_s": plain_rate,
+        "drafted": s.drafted, "accepted": s.accepted, "target_forward_passes": s.target_forward_passes,
+        "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position,
+        "k_histogram": {str(k): v for k, v in s.k_histogram.items()},
+        "parity": parity_report(result, plain)["status"] if greedy else "n/a",
+        "peer_tokens_per_s": peer_rate,
+        "peer_assisted_tokens_per_s": assisted_rate,
+    }
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Load the target and the configurations' drafters, warm up, and time plain decoding,
+    each configuration and the peers on every selected prompt.
+
+    Returns {"meta": run settings, peak RSS in MB, peer note; "summary": per configuration
+    and category, as :func:`specdecode.bench.report.summarize`; "rows": one dict per prompt
+    and configuration}. Decode tokens/s is :func:`decode_rate` for every runner alike.
+    Raises SpecDecodeError for bad prompt files, an empty selection, and models that cannot
+    load or do not share the target's vocabulary. A peer that fails is noted in
+    ``meta["peer"]``, not raised.
+    """
+    from tqdm import tqdm
+
+    prompts = select_prompts(load_prompts(config.prompts, config.max_tokens), config.categories, config.per_category)
+    params = config.sampling
+    dec = Decoder(target=config.target, draft="none", num_speculative_tokens=0, n_ctx=config.n_ctx,
+                  n_threads=config.n_threads, progress=config.progress, backend=config.backend,
+                  dtype=config.dtype, device=config.device)
+    engines: dict[str, SpeculativeEngine] = {}
+    try:
+        target = dec.target
+        plain_engine = dec.engine
+        _build_engines(config, target, engines)
+        names = list(engines)
+
+        def ids_of(p: BenchPrompt) -> list[int]:
+            return dec.prompt_ids(p.prompt, p.messages)
+
+        w = ids_of(prompts[0])
+        for eng in [plain_engine, *engines.values()]:
+            eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS)
+
+        rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
+        peer, peer_note, assisted_peer = (start_peer(target, config.target, engines, config.n_ctx, w)
+                                          if config.peer else (None, None, False))
+
+        rows = []
+        bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=not config.progress,
+                   file=sys.stderr, mininterval=5)
+        for p in prompts:
+            ids = ids_of(p)
+            plain = plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True)
+            bar.update(1)
+            ps = plain.stats
+            plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
+            peer_rate = assisted_rate = None
+            if peer is not None:
+                try:
+                    peer_rate = peer.run(ids, p.max_tokens)[1]
+                    if assisted_peer:
+                        assisted_rate = peer.run(ids, p.max_tokens, assisted=True)[1]
+                except Exception as e:  # one failed peer run must not lose the benchmark
+                    peer_note = f"{peer_note}; failed on {p.id}: {type(e).__name__}: {e}"
+            for name, eng in engines.items():
+                r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens)
+                bar.update(1)
+                rows.append(_row(p, name, r, plain, plain_rate, params.greedy, peer_rate, assisted_rate))
+        bar.close()
+        rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
+        del peer
+    finally:
+        for eng in engines.values():
+            eng.drafter.close()
+        dec.close()
+    meta = {"target": config.target, "prompts": len(prompts), "temperature": params.temperature,
+            "threads": getattr(target, "n_threads", None), "peak_rss_mb": round(rss, 1),
+            "rss_before_peer_mb": round(rss_specdecode, 1),
+            "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite")}
+    return {"meta": meta, "summary": summarize(rows, names), "rows": rows}

@@ -1,0 +1,112 @@
+"""The prompt suite of ``specdecode bench``: categories, prompt files, selection, and the
+"DRAFT:K" configurations compared against plain decoding."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..errors import SpecDecodeError
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
+
+# The built-in suite's categories, in the order reports list them.
+CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn")
+DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt: exactly one of ``prompt`` (raw text) or ``messages`` (chat) is set;
+    max_tokens is the completion cap in tokens."""
+
+    id: str
+    category: str
+    prompt: str | None
+    messages: list | None
+    max_tokens: int
+
+
+def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENCH_MAX_TOKENS) -> list[BenchPrompt]:
+    """Read a JSON Lines prompt file (the built-in suite when path is None).
+
+    Each line: ``category``, exactly one of ``prompt`` or ``messages``, optional
+    ``max_tokens`` (tokens; default_max_tokens otherwise) and ``id``.
+    Raises SpecDecodeError naming the file and line for malformed entries, and when the
+    file is missing or holds no prompts.
+    """
+    if path is None:
+        text = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
+        where = "built-in suite"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecDecodeError(f"prompts file {p} does not exist")
+        text = p.read_text(encoding="utf-8")
+        where = str(p)
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"{where}, line {i}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("category"), str):
+            raise SpecDecodeError(f"{where}, line {i}: expected an object with a string 'category'")
+        has_p, has_m = "prompt" in obj, "messages" in obj
+        if has_p == has_m:
+            raise SpecDecodeError(f"{where}, line {i}: give exactly one of 'prompt' or 'messages'")
+        if has_p and not isinstance(obj["prompt"], str):
+            raise SpecDecodeError(f"{where}, line {i}: 'prompt' must be a string")
+        if has_m and (not isinstance(obj["messages"], list) or not obj["messages"]):
+            raise SpecDecodeError(f"{where}, line {i}: 'messages' must be a non-empty list")
+        mt = obj.get("max_tokens", default_max_tokens)
+        if not isinstance(mt, int) or mt < 1:
+            raise SpecDecodeError(f"{where}, line {i}: max_tokens = {mt!r}, expected a positive integer")
+        out.append(BenchPrompt(str(obj.get("id", f"{obj['category']}-{i}")), obj["category"], obj.get("prompt"),
+                               obj.get("messages"), mt))
+    if not out:
+        raise SpecDecodeError(f"{where} holds no prompts")
+    return out
+
+
+def select_prompts(prompts: Sequence[BenchPrompt], categories: Iterable[str] | None = None,
+                   per_category: int | None = None) -> list[BenchPrompt]:
+    """The prompts in ``categories`` (all when None), at most ``per_category`` of each (all
+    when None), in file order. Raises SpecDecodeError when none are left."""
+    wanted = set(categories) if categories else None
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if wanted is not None and p.category not in wanted:
+            continue
+        seen[p.category] = seen.get(p.category, 0) + 1
+        if per_category is None or seen[p.category] <= per_category:
+            out.append(p)
+    if not out:
+        raise SpecDecodeError("no prompts left after --categories / --per-category")
+    return out
+
+
+def parse_config(text: str) -> tuple[str, int | str]:
+    """'DRAFT:K' (K an integer 0..MAX_NUM_SPECULATIVE_TOKENS, or auto), or 'DRAFT' meaning
+    DRAFT:auto. Returns (draft, K). Raises SpecDecodeError (param ``--config``) otherwise."""
+    draft, _, k = text.partition(":")
+    if not draft:
+        raise SpecDecodeError(f"--config {text!r}: expected DRAFT[:K], e.g. ngram:4 or auto:auto", param="--config")
+    if not k or k == "auto":
+        return draft, "auto"
+    try:
+        kk = int(k)
+    except ValueError:
+        raise SpecDecodeError(f"--config {text!r}: K must be an integer 0..{MAX_NUM_SPECULATIVE_TOKENS} or auto",
+                              param="--config") from None
+    try:
+        check_num_speculative_tokens(kk, name="K", allow_auto=False)
+    except SpecDecodeError as e:
+        # The message names the whole configuration; the parameter is the option itself.
+        raise SpecDecodeError(f"--config {text!r}: {e}", param="--config") from None
+    return draft, kk

@@ -1,0 +1,117 @@
+"""The drafter contract: cheap guesses of the next K tokens.
+
+Every drafter has one signature, ``propose(context, k) -> Draft``, and a feedback hook
+``observe(num_accepted)``, within a small lifecycle (as llama.cpp's
+``common/speculative.h``: init / begin / draft / accept / free):
+
+    start(prompt_ids, sampler)   once per generation, before any proposal
+    propose(context, k)          the next up-to-k tokens after context
+    observe(num_accepted)        how many of the last proposal the target accepted
+    finish(committed)            end of the generation: drop state past the committed text
+    close()                      free what the drafter owns (draft models)
+
+``start`` hands over the sampler whose transforms and random generator the drafter must
+use, so that ``Draft.probs`` is the distribution each drafted token was actually drawn from.
+
+Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..sampling import Sampler
+
+# keep_drafting(i, p_cum) -> bool: asked before drafting token i+1 (i >= 1 drafted so far),
+# p_cum the product of the draft model's top probabilities so far.
+ContinuationRule = Callable[[int, float], bool]
+
+
+@dataclass
+class Draft:
+    """token_ids: [K] drafted ids. probs: [K, V] the distribution each was drawn from, or
+    None when each was chosen deterministically (greedy drafts, n-gram lookup): one-hot."""
+
+    token_ids: list[int]
+    probs: np.ndarray | None = None
+
+
+class Drafter(Protocol):
+    """What the engine and the controller need from a drafter.
+
+    has_lookup: the drafter answers ``lookup(context) -> Match`` (prompt lookup), so that
+    the controller can keep one acceptance estimate per kind of match.
+    """
+
+    name: str
+    has_lookup: bool
+
+    def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
+        """A generation begins: prompt_ids [L] is its prompt; sampler shapes and draws
+        sampled drafts (the same one the target's verification uses)."""
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to k tokens to follow context [L] (committed tokens: prompt and output).
+        May return fewer, or none."""
+
+    def observe(self, num_accepted: int) -> None:
+        """The target accepted the first num_accepted tokens of the last proposal."""
+
+    def finish(self, committed: Sequence[int]) -> None:
+        """The generation ended with committed [L]: nothing past it may stay cached."""
+
+    def close(self) -> None:
+        """Free the models this drafter owns (idempotent)."""
+
+    def pending(self, context: Sequence[int]) -> int:
+        """Tokens of context the drafter must read before it can draft (0 for lookups)."""
+
+    def draft_backends(self) -> list["Backend"]:
+        """The model backends this drafter drafts with (none for lookups)."""
+
+    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
+        """A drafter that drafts token by token asks ``rule`` before each further token and
+        stops when it says no (the controller's cost rule); others ignore it."""
+
+
+class DrafterBase:
+    """Defaults of the optional parts of the Drafter protocol: no state to free, nothing
+    to catch up on, no models, token-by-token rules ignored."""
+
+    name = "base"
+    has_lookup = False
+
+    def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
+        pass
+
+    def observe(self, num_accepted: int) -> None:
+        pass
+
+    def finish(self, committed: Sequence[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def pending(self, context: Sequence[int]) -> int:
+        return 0
+
+    def draft_backends(self) -> list["Backend"]:
+        return []
+
+    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
+        pass
+
+
+class NoDrafter(DrafterBase):
+    """No drafts: every step is one plain autoregressive target forward (the baseline)."""
+
+    name = "none"
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        return Draft([])

@@ -1,0 +1,133 @@
+"""A smaller model as the drafter (Leviathan et al. 2023, Section 2; Chen et al. 2023).
+
+Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..backends.base import Backend, common_prefix_len
+from ..errors import SpecDecodeError
+from ..sampling import Sampler
+from ..vocab import check_vocab_compatible
+from .base import ContinuationRule, Draft, DrafterBase
+
+
+class ModelDrafter(DrafterBase):
+    """A smaller model on any backend drafts K tokens autoregressively.
+
+    Greedy generations draft greedily (probs None); sampled ones draw each draft from the
+    draft model's distribution shaped by the same Sampler and return it as probs [K, V].
+    The draft's KV cache keeps the tokens it has seen; each proposal rolls it back to the
+    longest prefix shared with the new context and feeds only the rest.
+
+    vocab_subset: when > 0, the draft model computes logits only for token ids below it
+    plus the prompt's tokens and the end-of-generation ids (FR-Spec, Zhao et al. 2025:
+    the output projection over a large vocabulary is a large share of a small draft
+    model's cost; BPE ids are roughly in merge order, so low ids are the frequent
+    tokens). Drafts stay lossless: the target verifies every token against its full
+    distribution, and a sampled draft's probs are exactly the restricted distribution it
+    was drawn from. Needs a backend whose ``supports_output_subset()`` is true (the torch
+    backend with a plain output head).
+
+    Raises IncompatibleVocabularyError at construction when the vocabularies differ
+    (size, or the text of any token id), showing the first mismatches; SpecDecodeError
+    when vocab_subset is negative or the backend cannot restrict its output.
+    """
+
+    name = "model"
+
+    def __init__(self, backend: Backend, target: Backend | None = None, vocab_subset: int = 0) -> None:
+        self.backend = backend
+        if vocab_subset < 0:
+            raise SpecDecodeError(f"draft vocabulary subset {vocab_subset} is out of range: expected >= 0 (0 = all)")
+        if vocab_subset and not backend.supports_output_subset():
+            raise SpecDecodeError(
+                f"a draft vocabulary subset needs a draft model on the torch backend (--draft-backend torch) "
+                f"with a plain output head; {backend.name} on {type(backend).__name__} cannot restrict its output"
+            )
+        self.vocab_subset = vocab_subset
+        if target is not None:
+            check_vocab_compatible(backend, target)
+        self._cached: list[int] = []
+        self._sampler: Sampler | None = None
+        # Set by the cost-aware controller to stop drafting when further tokens will not pay.
+        self.keep_drafting: ContinuationRule | None = None
+        self._closed = False
+
+    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
+        self.keep_drafting = rule
+
+    def draft_backends(self) -> list[Backend]:
+        return [self.backend]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.backend.close()
+
+    def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
+        self._sampler = sampler
+        if self.vocab_subset:
+            ids = set(range(min(self.vocab_subset, self.backend.n_vocab)))
+            ids.update(int(t) for t in prompt_ids)
+            ids.update(self.backend.eog_ids)
+            self.backend.set_output_subset(ids)
+
+    def pending(self, context: Sequence[int]) -> int:
+        """Tokens of context this drafter would have to feed before drafting (not cached)."""
+        return len(context) - common_prefix_len(self._cached, context)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        sampler = self._sampler
+        assert sampler is not None, "start() must be called before propose()"
+        k = min(k, self.backend.n_ctx - len(context))
+        if k <= 0:
+            return Draft([])
+        keep = common_prefix_len(self._cached, context, len(context) - 1)  # feed at least one token
+        self.backend.rollback(keep)
+        self._cached = list(context[:keep])
+        assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
+
+        if (sampler.params.greedy and not sampler.params.has_penalties and self.keep_drafting is None
+                and self.backend.supports_greedy_draft):
+            # The whole greedy draft on the device (torch): one host sync, not one per token.
+            drafts = self.backend.greedy_draft(context[keep:], k)
+            self._cached.extend(list(context[keep:]) + drafts[:-1])
+            return Draft(drafts)
+        history = list(context) if sampler.params.has_penalties else []
+        drafts: list[int] = []
+        rows: list[np.ndarray] = []
+        logits = self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0]
+        self._cached.extend(context[keep:])
+        p_cum = 1.0
+        for i in range(k):
+            if sampler.params.greedy:
+                tok = sampler.argmax(logits, history)
+                if self.keep_drafting is not None:
+                    z = logits - logits.max()
+                    p_cum *= float(1.0 / np.exp(z).sum())
+            else:
+                q = sampler.probs(logits, history)
+                tok = sampler.sample(q)
+                rows.append(q)
+                p_cum *= float(q.max())
+            drafts.append(tok)
+            if sampler.params.has_penalties:
+                history.append(tok)
+            if i + 1 < k and self.keep_drafting is not None and not self.keep_drafting(i + 1, p_cum):
+                break
+            if i + 1 < k:
+                logits = self.backend.forward([tok], logits_for=[0])[0]
+                self._cached.append(tok)
+        probs = np.stack(rows) if rows else None
+        return Draft(drafts, probs)
+
+    def finish(self, committed: Sequence[int]) -> None:
+        """End of a generation: drop cached tokens that are not part of the committed output."""
+        keep = common_prefix_len(self._cached, committed)
+        self.backend.rollback(keep)
+        del self._cached[keep:]

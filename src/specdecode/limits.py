@@ -1,0 +1,67 @@
+"""Limits, defaults and choices shared by the Python API, the CLI, the server and the
+benchmark. Each is defined here once; everything else imports it.
+
+Units: tokens for lengths and counts.
+"""
+
+from __future__ import annotations
+
+from .errors import SpecDecodeError
+
+# K, drafted tokens per step: the most a fixed K may ask for (vLLM's MAX_SPEC_LEN plays
+# the same role). Every K in the engine, the CLI, the server and the bench is checked
+# against this one value.
+MAX_NUM_SPECULATIVE_TOKENS = 32
+# The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step; the target's
+# verification cost is measured for n = 1 .. AUTO_KMAX + 1 tokens.
+AUTO_KMAX = 8
+# logprobs: the most likely tokens reported per emitted token (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+BACKENDS = ("auto", "llama.cpp", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "auto")
+
+DEFAULT_N_CTX = 4096
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_DTYPE = "float32"
+DEFAULT_DEVICE = "cpu"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(name: str, value: object) -> str:
+    """How an error shows a value: "--logprobs 50" for a command-line option, else "logprobs = 50"."""
+    return f"{name} {value}" if name.startswith("--") else f"{name} = {value!r}"
+
+
+def check_num_speculative_tokens(value: object, name: str = "num_speculative_tokens",
+                                 allow_auto: bool = True) -> int | str:
+    """K as given by a user: an integer 0..MAX_NUM_SPECULATIVE_TOKENS, or "auto" where allowed.
+
+    Returns the value. Raises SpecDecodeError (param ``name``) naming it otherwise.
+    """
+    if allow_auto and value == "auto":
+        return "auto"
+    if not _is_int(value) or not (0 <= value <= MAX_NUM_SPECULATIVE_TOKENS):
+        auto = " or 'auto'" if allow_auto else ""
+        raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer "
+                              f"0..{MAX_NUM_SPECULATIVE_TOKENS}{auto}", param=name)
+    return value
+
+
+def check_logprobs(value: object, name: str = "logprobs") -> int | None:
+    """None, or an integer 0..MAX_LOGPROBS. Raises SpecDecodeError (param ``name``)."""
+    if value is not None and (not _is_int(value) or not (0 <= value <= MAX_LOGPROBS)):
+        raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected 0 <= {name.lstrip('-')} <= {MAX_LOGPROBS}",
+                              param=name)
+    return value
+
+
+def check_choice(value: object, choices: tuple[str, ...], name: str) -> str:
+    """value must be one of choices. Raises SpecDecodeError (param ``name``)."""
+    if value not in choices:
+        raise SpecDecodeError(f"{name} {value!r} is not one of {', '.join(choices)}", param=name)
+    return value  # type: ignore[return-value]

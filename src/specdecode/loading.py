@@ -1,0 +1,111 @@
+"""Loading models and assembling drafters: what ``Decoder``, the benchmark and the server
+build a generation from.
+
+Backends: llama.cpp for .gguf files and registry names, torch for Hugging Face folders
+(``backend="auto"``). Drafters: "none", "ngram", a draft model, or the cost-aware
+controller over several of them (``-k auto``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import models
+from .backends.base import Backend
+from .backends.llama_cpp import LlamaCppBackend
+from .controller import SpeculationController, Source
+from .costmodel import cached_forward_curve
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from .errors import SpecDecodeError
+from .limits import AUTO_KMAX, BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
+from .vocab import vocab_fingerprint
+
+NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context, negligible next to a forward
+
+
+def backend_kind(name_or_path: str, backend: str = "auto") -> str:
+    """'llama.cpp' or 'torch'. auto: llama.cpp for .gguf files and registry names, torch for
+    Hugging Face folders. Raises SpecDecodeError for an unknown backend."""
+    check_choice(backend, BACKENDS, "backend")
+    if backend != "auto":
+        return backend
+    return "torch" if Path(name_or_path).expanduser().is_dir() else "llama.cpp"
+
+
+def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+                 dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True) -> Backend:
+    """Load a model on the chosen backend.
+
+    llama.cpp: a registry name (pulled on first use) or a .gguf path.
+    torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
+    name (its cached conversion from ``specdecode models convert`` if present, else the GGUF).
+    Raises SpecDecodeError / ModelFileError naming the model.
+    """
+    kind = backend_kind(name_or_path, backend)
+    if kind == "llama.cpp":
+        path = models.resolve(name_or_path, progress=progress)
+        return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path)
+    from .backends.torch_backend import TorchBackend
+
+    path = Path(name_or_path).expanduser()
+    if name_or_path in models.REGISTRY:
+        folder = models.hf_folder(name_or_path, dtype)
+        path = folder if (folder / "config.json").exists() else models.resolve(name_or_path, progress=progress)
+    elif not path.is_dir():
+        models.check_gguf_file(path)
+    return TorchBackend.load(path, dtype=dtype, device=device, n_ctx=n_ctx, name=name_or_path)
+
+
+def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+                 progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
+                 device: str = DEFAULT_DEVICE, draft_vocab: int = 0) -> Drafter:
+    """'none', 'ngram', or a draft model (registry name, .gguf path or HF folder on any
+    backend) checked against the target's vocabulary. draft_vocab: see ModelDrafter's
+    vocab_subset (torch drafts; 0 = the full vocabulary).
+
+    Raises IncompatibleVocabularyError when the draft model's tokenizer differs (the
+    loaded draft is closed again).
+    """
+    if draft == "none":
+        return NoDrafter()
+    if draft == "ngram":
+        return NgramDrafter()
+    d = load_backend(draft, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype, device=device,
+                     progress=progress)
+    try:
+        return ModelDrafter(d, target=target, vocab_subset=draft_vocab)
+    except SpecDecodeError:
+        d.close()
+        raise
+
+
+def default_draft_serves(target: Backend) -> bool:
+    """Whether the registry's default draft model shares the target's tokenizer, by
+    comparing the target's vocabulary fingerprint with the one the registry records."""
+    return vocab_fingerprint(target) == models.get_spec(models.DEFAULT_DRAFT).vocab_fingerprint
+
+
+def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,
+                    n_threads: int | None = None, progress: bool = True, backend: str = "auto",
+                    dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0) -> Drafter:
+    """The cost-aware controller over the drafters that ``draft`` names.
+
+    draft: "auto" (n-gram lookup, plus the default draft model when it shares the target's
+    tokenizer), "ngram", "none" (plain), or a draft model. Measures the target's
+    verification curve T(1..kmax+1) and the draft model's cost per token once per model
+    and machine (cached under the model cache).
+    """
+    if draft == "none":
+        return NoDrafter()
+    curve = cached_forward_curve(target, list(range(1, kmax + 2)), models.cache_dir())
+    sources = []
+    if draft in ("auto", "ngram"):
+        sources.append(Source(NgramDrafter(), NGRAM_COST_S))
+    if draft == "ngram" or (draft == "auto" and not default_draft_serves(target)):
+        return SpeculationController(sources, curve, kmax=kmax)
+    model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
+                         n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device,
+                         draft_vocab=draft_vocab)
+    draft_curve = cached_forward_curve(model.backend, [1, 64], models.cache_dir())
+    sources.append(Source(model, draft_curve(1), prefill_cost=draft_curve(64) / 64))
+    return SpeculationController(sources, curve, kmax=kmax)

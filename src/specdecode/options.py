@@ -1,0 +1,125 @@
+"""Command-line options shared by ``generate``, ``serve`` and ``bench``, declared once.
+
+:func:`add_model_options` declares the target, the draft, the backends, dtype, device,
+context size, threads and K; :func:`add_sampling_options` the sampling settings.
+:func:`decoder_from_args` turns parsed arguments into a loaded :class:`Decoder`. Ranges
+come from :mod:`specdecode.limits`; an out-of-range value is a SpecDecodeError naming the
+option, raised before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from . import models
+from .errors import SpecDecodeError
+from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEVICES, DTYPES,
+                     MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens)
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .api import Decoder
+
+# (flag, SamplingParams field, type, help). Defaults are SamplingParams' own.
+SAMPLING_OPTIONS = (
+    ("--temperature", "temperature", float, "0 = greedy"),
+    ("--top-p", "top_p", float, "nucleus sampling: keep the smallest set with this much probability"),
+    ("--top-k", "top_k", int, "keep the k most likely tokens (0 = off)"),
+    ("--min-p", "min_p", float, "drop tokens below this fraction of the top probability"),
+    ("--repetition-penalty", "repetition_penalty", float, "CTRL-style penalty over the last 64 tokens (1 = off)"),
+    ("--frequency-penalty", "frequency_penalty", float, "OpenAI-style, over the last 64 tokens"),
+    ("--presence-penalty", "presence_penalty", float, "OpenAI-style, over the last 64 tokens"),
+)
+
+
+def k_value(text: str) -> int | str:
+    """argparse type for --num-speculative-tokens: an integer or 'auto' (range checked later)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer 0..{MAX_NUM_SPECULATIVE_TOKENS} or 'auto', got {text!r}") from None
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: expected an integer >= 0")
+    return value
+
+
+def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    """--target, --backend, --dtype, --device, --ctx-size, --threads, --draft-backend,
+    --draft-vocab and, with ``draft``, --draft and --num-speculative-tokens/-k."""
+    p.add_argument("--target", default=models.DEFAULT_TARGET,
+                   help="registry name, .gguf path or Hugging Face folder (default: %(default)s)")
+    if draft:
+        p.add_argument("--draft", default=models.DEFAULT_DRAFT,
+                       help="registry name, .gguf path, Hugging Face folder, 'ngram' (prompt lookup), 'none' (plain "
+                            "decoding) or 'auto' (n-gram when it matches, else the default draft model when it pays) "
+                            "(default: %(default)s)")
+        p.add_argument("--num-speculative-tokens", "-k", type=k_value, default="auto",
+                       help=f"K, drafted tokens per step (0..{MAX_NUM_SPECULATIVE_TOKENS}), or 'auto': chosen each "
+                            "step from measured costs (default: %(default)s)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="target backend; auto: llama.cpp for .gguf files and registry names, torch for "
+                        "Hugging Face folders (default: %(default)s)")
+    p.add_argument("--draft-backend", choices=BACKENDS, default="auto", help="draft model backend, as --backend")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="torch backend weights (default: %(default)s)")
+    p.add_argument("--device", choices=DEVICES, default=DEFAULT_DEVICE, help="torch backend device (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=non_negative_int, default=0, metavar="N",
+                   help="a draft model on the torch backend (--draft-backend torch) scores only token ids "
+                        "< N, the prompt's tokens and end-of-generation ids (FR-Spec; cheaper drafts, same "
+                        "output; default: 0 = all)")
+    p.add_argument("--ctx-size", type=int, default=DEFAULT_N_CTX, help="context window in tokens (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser, seed: int | None = None) -> None:
+    """The SamplingParams fields as options (--temperature, --top-p, ..., --seed)."""
+    defaults = SamplingParams()
+    for flag, field, kind, help_text in SAMPLING_OPTIONS:
+        p.add_argument(flag, type=kind, default=getattr(defaults, field), help=f"{help_text} (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=seed, help="same seed, same output (default: %(default)s)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling options as keyword arguments of SamplingParams / Decoder.stream."""
+    return {field: getattr(args, field) for _, field, _, _ in SAMPLING_OPTIONS} | {"seed": args.seed}
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from parsed options. Raises SpecDecodeError naming a bad value."""
+    return SamplingParams(**sampling_kwargs(args))
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Range checks that need no model (K, context size, threads); SpecDecodeError names the option."""
+    if hasattr(args, "num_speculative_tokens"):
+        check_num_speculative_tokens(args.num_speculative_tokens, "--num-speculative-tokens")
+    if args.ctx_size < 2:
+        raise SpecDecodeError(f"--ctx-size {args.ctx_size} is out of range: expected >= 2", param="--ctx-size")
+    if args.threads is not None and args.threads < 1:
+        raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
+
+
+def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
+    """Keyword arguments of :class:`Decoder` from parsed model options."""
+    return dict(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
+                n_ctx=args.ctx_size, n_threads=args.threads, progress=progress, backend=args.backend,
+                draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab)
+
+
+def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":
+    """Check the model options, then load the target and drafter they name."""
+    from .api import Decoder
+
+    check_model_args(args)
+    return Decoder(**decoder_kwargs(args, progress))

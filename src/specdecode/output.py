@@ -1,0 +1,191 @@
+"""What a generation emits, and the books kept on it.
+
+:class:`OutputAccumulator` owns everything between the verified tokens and the user:
+the cut at the first end-of-generation token and at max_tokens, the stop strings (through
+:class:`specdecode.textstream.TextAssembler`, which cuts text and tokens at one point),
+logprobs and top-2 gaps per emitted token, and the statistics. The engine's step only
+drafts, verifies and commits; it hands each step's tokens here.
+
+Dimension letters: K = drafted tokens this step, V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Sequence
+
+import numpy as np
+
+from .stats import Stats
+from .textstream import TextAssembler
+
+
+@dataclass
+class TokenLogprob:
+    """log-probability of an emitted token under the target's raw distribution, and the top N."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[tuple[int, str, float]]
+
+    def to_dict(self) -> dict:
+        return {
+            "token_id": self.token_id,
+            "token": self.token,
+            "logprob": self.logprob,
+            "top_logprobs": [{"token_id": i, "token": t, "logprob": lp} for i, t, lp in self.top_logprobs],
+        }
+
+
+@dataclass
+class GenerationResult:
+    """text: the generated text (stop string excluded). token_ids: the emitted tokens
+    (end-of-generation token excluded). finish_reason: "stop" or "length".
+    logprobs: one entry per emitted token when requested, else None.
+    top2_gaps: per emitted token, the gap between the target's two largest raw logits at
+    that position (recorded when asked; used by the parity report).
+    from_draft: per emitted token, True when it was an accepted draft (False for the
+    target's own recovered or bonus tokens)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+    logprobs: list[TokenLogprob] | None = None
+    top2_gaps: list[float] | None = None
+    from_draft: list[bool] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+        if self.logprobs is not None:
+            d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        return d
+
+
+def top2_gap(row: np.ndarray) -> float:
+    """Gap between the two largest entries of row [V] (a near-tie when small)."""
+    two = np.partition(row, row.shape[-1] - 2)[-2:]
+    return float(abs(two[1] - two[0]))
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    z = row.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+class OutputAccumulator:
+    """The emitted tokens, text, logprobs and statistics of one generation.
+
+    prompt_ids: [L] the prompt. eog_ids: end-of-generation ids. token_bytes: id -> the
+    bytes it adds to the text. max_tokens: exact cap (>= 1). stop: stop strings.
+    logprobs: N >= 0 to record the N most likely tokens per emitted token, else None.
+    record_top2_gaps: record the target's top-2 logit gap per emitted token.
+    Times are seconds from time.perf_counter(); ``started`` is when the call began.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], eog_ids: Collection[int], token_bytes: Callable[[int], bytes],
+                 max_tokens: int, stop: Sequence[str] = (), logprobs: int | None = None,
+                 record_top2_gaps: bool = False, started: float | None = None) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.eog_ids = eog_ids
+        self.token_bytes = token_bytes
+        self.max_tokens = max_tokens
+        self.n_logprobs = logprobs
+        self.started = time.perf_counter() if started is None else started
+        self.decode_started = self.started
+        self.stats = Stats(prompt_tokens=len(prompt_ids))
+        self.emitted: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
+        self.gaps: list[float] | None = [] if record_top2_gaps else None
+        self._draft_pos: list[int] = []  # per emitted token: its draft position, -1 for the target's own
+        self._text = TextAssembler(stop)
+        self.finish_reason: str | None = None  # set once the generation has ended
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be emitted (max_tokens cap)."""
+        return self.max_tokens - len(self.emitted)
+
+    def cut(self, new: list[int]) -> list[int]:
+        """The tokens of a step that may be committed: up to (not including) the first
+        end-of-generation token, and at most ``remaining``. Sets finish_reason "stop" at an
+        end-of-generation token."""
+        for j, tok in enumerate(new):
+            if tok in self.eog_ids:
+                self.finish_reason = "stop"
+                self.stats.eog_committed = 1
+                new = new[:j]
+                break
+        return new[: self.remaining]
+
+    def add(self, new: list[int], num_accepted: int, k: int, logits: np.ndarray) -> str:
+        """Record one step that drafted k tokens and committed new (its first num_accepted
+        accepted drafts, then the target's own); logits: [k+1, V] the target's raw logits
+        at the step's positions. Returns the text delta that is safe to stream ("" if none)."""
+        n_acc = min(num_accepted, len(new))
+        self.stats.record_step(k, n_acc)
+        delta, stopped = self._text.add([self.token_bytes(t) for t in new])
+        if new and not self.emitted:
+            self.stats.first_token_s = time.perf_counter() - self.started
+        self.emitted.extend(new)
+        self._draft_pos.extend(j if j < n_acc else -1 for j in range(len(new)))
+        for j, tok in enumerate(new):
+            if self.gaps is not None:
+                self.gaps.append(top2_gap(logits[j]))
+            if self.logprobs is not None:
+                self.logprobs.append(self._logprob(logits[j], tok))
+        if stopped:
+            # Text, token ids and logprobs are cut at the same point: tokens whose bytes
+            # start at or after the stop string are dropped, even ones whose text was held
+            # back in an earlier step.
+            n_keep = self._text.num_tokens
+            self.stats.retract_accepted(p for p in self._draft_pos[n_keep:] if p >= 0)
+            for kept in (self.emitted, self._draft_pos, self.gaps, self.logprobs):
+                if kept is not None:
+                    del kept[n_keep:]
+            self.finish_reason = "stop"
+            self.stats.eog_committed = 0
+        elif self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = "length"
+        self.stats.completion_tokens = len(self.emitted)
+        self.stats.decode_s = time.perf_counter() - self.decode_started
+        return delta
+
+    def end(self, finish_reason: str = "length") -> str:
+        """The generation ends (sets finish_reason if no stop came first); returns the
+        held-back tail of the text ("" if none)."""
+        if self.finish_reason is None:
+            self.finish_reason = finish_reason
+        self.stats.completion_tokens = len(self.emitted)
+        self.stats.decode_s = time.perf_counter() - self.decode_started
+        return self._text.finish()
+
+    def result(self) -> GenerationResult:
+        """The GenerationResult (after :meth:`end`)."""
+        assert self.finish_reason is not None, "end() must be called before result()"
+        return GenerationResult(
+            text=self._text.text, token_ids=self.emitted, finish_reason=self.finish_reason, stats=self.stats,
+            logprobs=self.logprobs, top2_gaps=self.gaps, from_draft=[p >= 0 for p in self._draft_pos],
+            prompt_ids=self.prompt_ids,
+        )
+
+    def _logprob(self, row: np.ndarray, tok: int) -> TokenLogprob:
+        n = self.n_logprobs or 0
+        lps = _log_softmax(row)
+        top = np.argpartition(lps, -n)[-n:] if n > 0 else np.array([], dtype=np.int64)
+        top = top[np.argsort(-lps[top])]
+
+        def piece(t) -> str:
+            return self.token_bytes(int(t)).decode("utf-8", errors="replace")
+
+        return TokenLogprob(token_id=int(tok), token=piece(tok), logprob=float(lps[tok]),
+                            top_logprobs=[(int(t), piece(t), float(lps[t])) for t in top])

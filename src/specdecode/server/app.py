@@ -1,0 +1,268 @@
+"""The FastAPI app: routes, full responses, server-sent-event streams, model cards.
+
+FastAPI, Starlette and prometheus_client are imported inside :func:`create_app`, so that
+importing :mod:`specdecode.server` (as the CLI does for every command) does not load them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from ..errors import SpecDecodeError
+from .metrics import Metrics
+from .protocol import DEFAULT_MAX_QUEUE, APIError, GenRequest, json_repr, parse_json_body, parse_request
+from .worker import Job, Worker
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """e as a JSON response with its status (a 429 also says when to retry, in seconds)."""
+    from fastapi.responses import JSONResponse
+
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next message the server delivers is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_event(job: Job, disconnect: asyncio.Task) -> tuple[str, Any]:
+    get = asyncio.ensure_future(job.events.get())
+    done, _ = await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    raise _Disconnected()
+
+
+async def _read_json(request: Request) -> Any:
+    return parse_json_body(await request.body())
+
+
+def _sse(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def _usage(result: Any) -> dict:
+    s = result.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
+def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "specdecode", "max_model_len": n_ctx}
+
+
+def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+               warmup: bool = False) -> FastAPI:
+    """Build the OpenAI-compatible app around a loaded :class:`specdecode.api.Decoder`.
+
+    model_name: the id clients must send as ``model`` (default: decoder.target_name).
+    max_queue: requests that may wait besides the running one (>= 1); more get 429.
+    warmup: run one tiny generation on the worker thread at start-up, so that the first
+        client does not pay llama.cpp's first-evaluation cost (seconds).
+    The app owns a worker thread (started and stopped with the app's lifespan) and its
+    own Prometheus registry (``app.state.metrics.registry``); the decoder stays the
+    caller's to close. Raises SpecDecodeError (param "max_queue") for max_queue < 1.
+    """
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    class _SSEResponse(StreamingResponse):
+        """A server-sent-event stream that runs ``on_close`` however it ends (finished,
+        client gone, or cancelled), so that a dropped client frees the worker."""
+
+        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+            super().__init__(content, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self._on_close = on_close
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._on_close()
+
+    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+        raise SpecDecodeError(f"max_queue = {max_queue!r} is out of range: expected an integer >= 1", param="max_queue")
+    model_name = model_name or decoder.target_name
+    worker = Worker(decoder, max_queue, lambda w: Metrics(w.queue_len, w.running), warmup=warmup)
+    metrics = worker.metrics
+    created = int(time.time())
+    draft_info = {"draft": decoder.draft_name, "num_speculative_tokens": decoder.engine.num_speculative_tokens}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        detail = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, detail, type=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    def speculation(result: Any) -> dict:
+        return {**result.stats.to_dict(), **draft_info}
+
+    async def serve(request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()
+        try:
+            req = parse_request(await _read_json(request), kind, model_name, worker.n_ctx)
+        except APIError as e:
+            metrics.rejected.labels(reason="model_not_found" if e.status == 404 else "invalid_request").inc()
+            raise
+        job = Job(req, asyncio.get_running_loop(), arrival)
+        if not worker.submit(job):
+            metrics.rejected.labels(reason="queue_full").inc()
+            raise APIError(429, f"the server is busy: {worker.queue_len()} requests are waiting (max_queue = "
+                           f"{max_queue}); retry later", type="rate_limit_error", code="queue_full")
+        disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            # Streams wait for the first event too, so that errors found when the prompt
+            # is tokenized still get a 4xx status rather than an error inside a 200 stream.
+            kind_, value = await _next_event(job, disconnect)
+        except _Disconnected:
+            worker.cancel(job)
+            return Response(status_code=499)  # nobody reads it; the status shows in the access log
+        finally:
+            # The stream's own disconnect watch (Starlette's) takes over from here.
+            disconnect.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await disconnect
+        if kind_ == "error":
+            raise value
+        if not req.stream:
+            result, logprobs = value
+            return JSONResponse(_full_response(kind, model_name, result, logprobs, speculation(result)))
+        return _SSEResponse(_stream(kind, model_name, req, job, (kind_, value), speculation),
+                            on_close=lambda: worker.cancel(job))
+
+    # Plain Starlette routes: the endpoints take the Request itself and parse the body by
+    # hand, so that every malformed or unsupported input gets an OpenAI-style 4xx.
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion")
+
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    async def list_models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(model_name, created, worker.n_ctx)]})
+
+    async def get_model(request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != model_name:
+            raise APIError(404, f"the model {json_repr(model_id)} does not exist: this server serves "
+                           f"{json_repr(model_name)}", param="model", code="model_not_found")
+        return JSONResponse(_model_card(model_name, created, worker.n_ctx))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": model_name, "waiting": worker.queue_len(),
+                             "running": worker.running(), "max_queue": max_queue})
+
+    async def prometheus_metrics(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/models", list_models, methods=["GET"])
+    app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/metrics", prometheus_metrics, methods=["GET"])
+    return app
+
+
+def _full_response(kind: str, model_name: str, result: Any, logprobs: dict | None, spec: dict) -> dict:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
+                  "finish_reason": result.finish_reason}
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
+    return {**head, "created": int(time.time()), "model": model_name, "system_fingerprint": None,
+            "choices": [choice], "usage": _usage(result), "speculation": spec}
+
+
+async def _stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any],
+                  speculation: Callable[[Any], dict]) -> AsyncIterator[str]:
+    chat = kind == "chat"
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+
+    def chunk(text: str | None, finish: str | None = None, logprobs: dict | None = None, role: bool = False) -> dict:
+        if chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return {**head, "choices": [choice]}
+
+    if chat:
+        yield _sse(chunk("", role=True))
+    event = first
+    while True:
+        kind_, value = event
+        if kind_ == "delta":
+            yield _sse(chunk(value))
+        elif kind_ == "error":
+            yield _sse(value.body())
+            break
+        else:
+            result, logprobs = value
+            spec = speculation(result)
+            final = chunk(None if chat else "", finish=result.finish_reason, logprobs=logprobs)
+            final["usage"] = _usage(result)
+            final["speculation"] = spec
+            yield _sse(final)
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(result), "speculation": spec})
+            break
+        event = await job.events.get()
+    yield _sse("[DONE]")

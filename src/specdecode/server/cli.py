@@ -1,0 +1,55 @@
+"""``specdecode serve``: its options and its handler."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import SpecDecodeError
+from ..options import add_model_options, decoder_from_args
+from .protocol import DEFAULT_MAX_QUEUE
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Handler of ``specdecode serve``: load the pair, then serve until interrupted.
+
+    Returns the exit status (0). Raises SpecDecodeError naming the option for an
+    out-of-range --port or --max-queue, or any model option (before loading anything),
+    and for models that cannot be loaded.
+    """
+    import uvicorn
+
+    from .app import create_app
+
+    if not (0 <= args.port <= 65535):
+        raise SpecDecodeError(f"--port {args.port} is out of range: expected 0..65535", param="--port")
+    if args.max_queue < 1:
+        raise SpecDecodeError(f"--max-queue {args.max_queue} is out of range: expected >= 1", param="--max-queue")
+    if args.host not in LOOPBACK_HOSTS:
+        print(f"specdecode: warning: serving on {args.host}: the server has no authentication", flush=True)
+    with decoder_from_args(args, progress=True) as dec:
+        app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True)
+        print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}) "
+              f"on http://{args.host}:{args.port}/v1", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``serve`` subcommand (options and handler) on the CLI's subparsers.
+
+    The model options are the shared ones (:func:`specdecode.options.add_model_options`);
+    serve adds --host, --port and --max-queue.
+    """
+    s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                              description="Serve an OpenAI-compatible HTTP API (/v1/completions, "
+                                          "/v1/chat/completions, /v1/models, /health, /metrics). Clients send "
+                                          "--target as the model id.")
+    add_model_options(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait besides the running one; more get 429 (default: %(default)s)")
+    s.set_defaults(func=cmd_serve)
+    return s

@@ -1,0 +1,320 @@
+"""Request parsing and validation for the OpenAI-compatible endpoints.
+
+Pure: no FastAPI, no model. :func:`parse_request` turns a decoded JSON body into a
+:class:`GenRequest` or raises :class:`APIError`; :func:`resolve_max_tokens` settles
+max_tokens once the prompt's length in tokens is known. Field semantics are listed in
+the package docstring (:mod:`specdecode.server`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import ContextOverflowError, SpecDecodeError
+from ..limits import check_logprobs
+from ..messages import check_messages, json_repr
+from ..sampling import SamplingParams
+
+# Requests that may wait besides the running one; more get 429.
+DEFAULT_MAX_QUEUE = 16
+# max_tokens of a completion that gives none (OpenAI's default); chat defaults to the
+# rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# OpenAI's range for temperature; the engine itself accepts more (SamplingParams).
+MAX_TEMPERATURE = 2.0
+
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream",
+    "stream_options", "logprobs", "n", "user",
+})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
+# Standard fields accepted only at the value that asks for nothing beyond what is served.
+_HARMLESS_DEFAULTS: dict[str, Any] = {
+    "echo": False, "best_of": 1, "logit_bias": {}, "response_format": {"type": "text"}, "tools": [],
+}
+_FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                          "frequency_penalty")
+_INT_SAMPLING_FIELDS = ("top_k", "seed")
+
+
+class APIError(Exception):
+    """An error answered to the client with an OpenAI-style body.
+
+    status: HTTP status. type/param/code: the fields of ``{"error": {...}}``; param names
+    the request field at fault (None when no single field is).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_specdecode_error(e: SpecDecodeError, param: str | None = None) -> APIError:
+    """A SpecDecodeError is the client's mistake here: a 400 with its message.
+
+    The field is the error's own ``param`` when it names one, else ``param`` (e.g.
+    "prompt" for errors found when the prompt is tokenized). A ContextOverflowError gets
+    code context_length_exceeded.
+    """
+    code = "context_length_exceeded" if isinstance(e, ContextOverflowError) else None
+    return APIError(400, str(e), param=e.param or param, code=code)
+
+
+@dataclass
+class GenRequest:
+    """A validated generation request.
+
+    kind: "completion" or "chat". prompt / messages: exactly one is set.
+    max_tokens: in tokens; None means the endpoint's default (see
+    :func:`resolve_max_tokens`). sampling: keyword arguments of :meth:`Decoder.stream`
+    other than the prompt and max_tokens. logprobs: None, or how many most likely
+    tokens to report per emitted token.
+    """
+
+    kind: str
+    prompt: str | None
+    messages: list[dict] | None
+    max_tokens: int | None
+    sampling: dict
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body. NaN and Infinity are refused: they are not JSON, and a
+    client sending them has a bug worth reporting. Raises APIError (400)."""
+
+    def reject_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Body:
+    """Typed access to a request body's fields; every failure is a 400 naming the field.
+
+    A field whose value is null counts as absent (None). prefix: prepended to field
+    names in errors, for nested objects (e.g. "stream_options.").
+    """
+
+    def __init__(self, body: dict, prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix
+
+    def _typed(self, name: str, ok: Callable[[Any], bool], kind: str) -> Any:
+        """The field's value (None when absent or null) after ``ok(value)`` holds; else a
+        400 saying it must be ``kind``."""
+        v = self.body.get(name)
+        if v is not None and not ok(v):
+            full = self.prefix + name
+            raise APIError(400, f"{full} must be {kind}, got {json_repr(v)}", param=full)
+        return v
+
+    def integer(self, name: str, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
+        v = self._typed(name, _is_int, "an integer")
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            name = self.prefix + name
+            lo_s = f"{lo} <= " if lo is not None else ""
+            hi_s = f" <= {hi}" if hi is not None else ""
+            raise APIError(400, f"{name} = {v} is out of range: expected {lo_s}{name}{hi_s}{why}", param=name)
+        return v
+
+    def number(self, name: str) -> float | None:
+        v = self._typed(name, lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x),
+                        "a number")
+        return None if v is None else float(v)
+
+    def boolean(self, name: str) -> bool | None:
+        return self._typed(name, lambda x: isinstance(x, bool), "a boolean")
+
+    def string(self, name: str) -> str | None:
+        return self._typed(name, lambda x: isinstance(x, str), "a string")
+
+
+def _check_fields(body: dict, allowed: frozenset[str]) -> None:
+    """400 naming every field this server does not honour (null values and harmless
+    defaults pass)."""
+    unknown = []
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        default = _HARMLESS_DEFAULTS.get(name, ...)
+        if type(value) is type(default) and value == default:
+            continue
+        unknown.append(name)
+    if unknown:
+        details = []
+        for name in unknown:
+            if name in _HARMLESS_DEFAULTS:
+                details.append(f"{name} = {json_repr(body[name])} (only {json_repr(_HARMLESS_DEFAULTS[name])} is "
+                               "accepted)")
+            else:
+                details.append(name)
+        raise APIError(400, "unsupported field(s): " + ", ".join(details) + ". This server honours: "
+                       + ", ".join(sorted(allowed)), param=unknown[0])
+
+
+def _parse_messages(value: Any) -> list[dict]:
+    try:
+        return check_messages(value)
+    except SpecDecodeError as e:
+        raise from_specdecode_error(e, "messages") from None
+
+
+def _check_sampling(sampling: dict) -> None:
+    try:
+        SamplingParams(**sampling)
+    except SpecDecodeError as e:
+        raise from_specdecode_error(e) from None
+
+
+def _check_logprobs(value: int | None, name: str) -> int | None:
+    try:
+        return check_logprobs(value, name)
+    except SpecDecodeError as e:
+        raise from_specdecode_error(e, name) from None
+
+
+def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenRequest:
+    """Validate a decoded JSON body for ``kind`` "completion" or "chat".
+
+    model_name: the id the client must send as ``model``. n_ctx: the context size in
+    tokens, the upper bound of max_tokens. Checks what can be checked without the model
+    (types, ranges, unsupported fields, the model name); the prompt's length against the
+    context is checked when it is tokenized (:func:`resolve_max_tokens`). Raises APIError:
+    404 (code model_not_found) for another model, 400 for anything else, with ``param``
+    naming the field at fault.
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
+    _check_fields(body, _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS)
+    b = _Body(body)
+
+    model = b.string("model")
+    if model is None:
+        raise APIError(400, "model is required: this server serves " + json_repr(model_name), param="model")
+    if model != model_name:
+        raise APIError(404, f"the model {json_repr(model)} does not exist: this server serves {json_repr(model_name)}",
+                       param="model", code="model_not_found")
+
+    prompt = messages = None
+    if kind == "completion":
+        if body.get("prompt") is None:
+            raise APIError(400, "prompt is required", param="prompt")
+        if not isinstance(body["prompt"], str):
+            raise APIError(400, f"prompt must be a string (lists of prompts and token-id arrays are not supported), "
+                           f"got {json_repr(body['prompt'])}", param="prompt")
+        prompt = body["prompt"]
+    else:
+        if body.get("messages") is None:
+            raise APIError(400, "messages is required", param="messages")
+        messages = _parse_messages(body["messages"])
+
+    n = b.integer("n")
+    if n is not None and n != 1:
+        raise APIError(400, f"n = {n} is not supported: this server generates one choice per request (n = 1)", param="n")
+
+    why = " (the context size)"
+    max_tokens = b.integer("max_tokens", 1, n_ctx, why)
+    max_completion = b.integer("max_completion_tokens", 1, n_ctx, why)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise APIError(400, f"max_tokens = {max_tokens} and max_completion_tokens = {max_completion} disagree: "
+                       "give one of them", param="max_completion_tokens")
+    if max_completion is not None:
+        max_tokens = max_completion
+
+    temperature = b.number("temperature")
+    if temperature is not None and not (0.0 <= temperature <= MAX_TEMPERATURE):
+        raise APIError(400, f"temperature = {body['temperature']} is out of range: expected 0 <= temperature <= "
+                       f"{MAX_TEMPERATURE:g} (0 = greedy)", param="temperature")
+    sampling: dict[str, Any] = {}
+    for name in _FLOAT_SAMPLING_FIELDS:
+        v = b.number(name)
+        if v is not None:
+            sampling[name] = v
+    for name in _INT_SAMPLING_FIELDS:
+        v = b.integer(name)
+        if v is not None:
+            sampling[name] = v
+    _check_sampling(sampling)
+
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
+            raise APIError(400, f"stop must be a non-empty string or a list of non-empty strings, got {json_repr(stop)}",
+                           param="stop")
+        if stops:
+            sampling["stop"] = stops
+
+    stream = bool(b.boolean("stream"))
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if not isinstance(options, dict) or any(k != "include_usage" for k in options):
+            raise APIError(400, f"stream_options = {json_repr(options)} is not supported: only "
+                           '{"include_usage": true|false} is', param="stream_options")
+        include_usage = bool(_Body(options, "stream_options.").boolean("include_usage"))
+
+    logprobs = None
+    if kind == "completion":
+        logprobs = _check_logprobs(b.integer("logprobs"), "logprobs")
+    else:
+        want = b.boolean("logprobs")
+        top = _check_logprobs(b.integer("top_logprobs"), "top_logprobs")
+        if top is not None and not want:
+            raise APIError(400, f"top_logprobs = {top} needs logprobs = true", param="top_logprobs")
+        if want:
+            logprobs = top or 0
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+
+    b.string("user")
+    return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling,
+                      stream=stream, include_usage=include_usage, logprobs=logprobs)
+
+
+def resolve_max_tokens(req: GenRequest, prompt_len: int, n_ctx: int) -> int:
+    """The number of tokens to generate, once the prompt is tokenized.
+
+    prompt_len, n_ctx: in tokens. Without max_tokens: DEFAULT_COMPLETION_MAX_TOKENS for a
+    completion, the rest of the context for chat (either capped by the room left).
+    Raises APIError (400, code context_length_exceeded) when the prompt leaves no room,
+    or when max_tokens does not fit after it (param "max_tokens").
+    """
+    room = n_ctx - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but the context holds {n_ctx}: it must be "
+                       "shorter than the context to leave room for at least one new token",
+                       param="prompt" if req.kind == "completion" else "messages", code="context_length_exceeded")
+    if req.max_tokens is None:
+        return min(DEFAULT_COMPLETION_MAX_TOKENS, room) if req.kind == "completion" else room
+    if req.max_tokens > room:
+        raise APIError(400, f"the context holds {n_ctx} tokens, but {prompt_len + req.max_tokens} were asked "
+                       f"for ({prompt_len} in the prompt, max_tokens = {req.max_tokens}): lower max_tokens to at "
+                       f"most {room}", param="max_tokens", code="context_length_exceeded")
+    return req.max_tokens
