@@ -32,9 +32,10 @@ class Decoder:
     """A target and a drafter loaded once, for many generations.
 
     target: registry name or .gguf path (default qwen2.5-coder-1.5b-instruct).
-    draft: registry name or .gguf path of a draft model, "ngram" (prompt lookup), "none"
-        (plain decoding) or "auto" (n-gram lookup when it matches, else the default draft
-        model when it pays, else plain); default qwen2.5-coder-0.5b-instruct.
+    draft: "auto" (default: lookups in the text when they match, and the registry's default
+        draft model when it shares the target's tokenizer and pays, else plain decoding),
+        "ngram" (prompt lookup), "suffix" (lookup in this and earlier requests), "none"
+        (plain decoding), or a draft model (registry name, .gguf path, Hugging Face folder).
     num_speculative_tokens: K, drafted tokens per step (0..MAX_NUM_SPECULATIVE_TOKENS), or
         "auto" (default): the cost-aware controller chooses K in 0..AUTO_KMAX each step
         (:mod:`specdecode.controller`; both limits in :mod:`specdecode.limits`).
@@ -51,7 +52,7 @@ class Decoder:
     def __init__(
         self,
         target: str = models.DEFAULT_TARGET,
-        draft: str = models.DEFAULT_DRAFT,
+        draft: str = "auto",
         num_speculative_tokens: int | str = "auto",
         n_ctx: int = DEFAULT_N_CTX,
         n_threads: int | None = None,

@@ -38,6 +38,8 @@ def _stats_block(label: str, stats: dict) -> str:
         lines.append(f"per-position acceptance (accepted/drafted): {per_pos}")
     if stats["k_histogram"]:
         lines.append("steps by K drafted: " + ", ".join(f"K={k}: {n}" for k, n in stats["k_histogram"].items()))
+    if stats.get("controller_note"):
+        lines.append(f"controller: {stats['controller_note']}")
     lines.append(
         f"prefill_s {stats['prefill_s']:.3f}, decode_s {stats['decode_s']:.3f} "
         f"(draft_s {stats['draft_s']:.3f}, verify_s {stats['verify_s']:.3f}), "

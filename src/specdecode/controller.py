@@ -17,10 +17,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from .backends.base import Backend
-from .costmodel import CostCurve, expected_tokens, expected_tokens_positional
+from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens, expected_tokens_positional, \
+    expected_tokens_upto
 from .drafters import ContinuationRule, Draft, Drafter, DrafterBase
 from .limits import AUTO_KMAX
 from .sampling import Sampler
@@ -95,6 +98,10 @@ class AcceptanceEstimator:
         """Expected tokens committed by a step that drafts k (Eq. 1 at this alpha)."""
         return expected_tokens(self.alpha, k)
 
+    def expected_upto(self, kmax: int) -> np.ndarray:
+        """[kmax + 1] expected tokens of a step drafting k = 0..kmax."""
+        return expected_tokens_upto(self.alpha, kmax)
+
 
 @dataclass
 class TwoRateEstimator:
@@ -134,6 +141,14 @@ class TwoRateEstimator:
         """Expected tokens committed by a step that drafts k."""
         return expected_tokens_positional([self.first.alpha] + [self.then.alpha] * (k - 1))
 
+    def expected_upto(self, kmax: int) -> np.ndarray:
+        """[kmax + 1] expected tokens of a step drafting k = 0..kmax:
+        1 + a1 (1 - a^k) / (1 - a)."""
+        a1, a = self.first.alpha, self.then.alpha
+        k = np.arange(kmax + 1, dtype=np.float64)
+        geometric = k if a >= 1.0 else (1.0 - a ** k) / (1.0 - a)
+        return 1.0 + a1 * geometric
+
 
 @dataclass
 class Source:
@@ -162,7 +177,7 @@ class Source:
         match = self.drafter.lookup(context)
         if match.length == 0:
             return None, 0
-        return self.bands[match_band(match.length), match.unique], len(context) - match.start
+        return self.bands[match_band(match.length), match.unique], self.drafter.available(context)
 
     def catch_up(self, context: Sequence[int]) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
@@ -173,12 +188,21 @@ class Source:
     def name(self) -> str:
         return self.drafter.name
 
+    @property
+    def label(self) -> str:
+        """How explanations name this drafter: "ngram", or "draft model <name>"."""
+        models = self.drafter.draft_backends()
+        return f"draft model {models[0].name}" if models else self.drafter.name
+
 
 class SpeculationController(DrafterBase):
     """Chooses drafter and K per step; implements the Drafter protocol.
 
     sources: drafters with their measured cost per token (seconds). target_cost: T(n) of
     the target, measured for n = 1 .. kmax + 1. kmax: the largest K considered.
+    learn_costs: follow the observed verification times (:class:`ObservedCurve`) instead
+    of keeping the measured curve as it is; on_drift(why) is called once when they drift
+    far from the measurement (the caller marks the cached curve stale).
     probe_every: after this many plain steps in a row, one short speculative step
     refreshes a drafter's acceptance estimate (otherwise a K = 0 decision could never be
     undone). A probe that fails doubles that drafter's gap (up to max_probe_gap): probing a
@@ -188,13 +212,21 @@ class SpeculationController(DrafterBase):
 
     name = "auto"
 
+    # Observed verification times this far from the measured curve (ratio), after
+    # DRIFT_MIN_SAMPLES steps, mean the measurement no longer describes the machine.
+    DRIFT_BOUNDS = (0.67, 1.5)
+    DRIFT_MIN_SAMPLES = 64
+
     def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = AUTO_KMAX,
-                 probe_every: int = 16, max_probe_gap: int = 256):
+                 probe_every: int = 16, max_probe_gap: int = 256, learn_costs: bool = False,
+                 on_drift: Callable[[str], None] | None = None):
         if not sources:
             raise ValueError("the controller needs at least one drafter")
         self.sources = list(sources)
-        self.target_cost = target_cost
+        self.target_cost: CostCurve | ObservedCurve = ObservedCurve(target_cost) if learn_costs else target_cost
         self.kmax = kmax
+        self._on_drift = on_drift
+        self._T = self._cost_table()  # T(n) for n = 0..kmax+1, what plan() reads
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
         for s in self.sources:
@@ -205,12 +237,47 @@ class SpeculationController(DrafterBase):
         self._last_k = 0
         self._last_probe = False
         self._plain_streak = 0
-        self.choices: Counter = Counter()  # (drafter name or "none") -> steps
+        self.choices: Counter = Counter()  # (drafter name or "none") -> steps, over all generations
+        # This generation's books, for explain(): steps drafted by each source, the K they
+        # drafted, and (lookup drafters) steps where they had a match.
+        self._steps = 0
+        self._used: Counter = Counter()
+        self._ks: dict[str, list[int]] = {}
+        self._matched: Counter = Counter()
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         for s in self.sources:
             s.drafter.start(prompt_ids, sampler)
         self._plain_streak = 0
+        self._steps = 0
+        self._used.clear()
+        self._ks.clear()
+        self._matched.clear()
+
+    def explain(self) -> str:
+        """What each drafter did in the last generation, and why an unused one was not used:
+        no match in the text, a measured cost that cannot pay even if every draft were
+        accepted, or an estimated acceptance too low for this machine's T(n)."""
+        parts = []
+        for s in self.sources:
+            n = self._used[s.name]
+            if n:
+                ks = self._ks[s.name]
+                span = f"K {min(ks)}-{max(ks)}" if min(ks) != max(ks) else f"K {ks[0]}"
+                parts.append(f"{s.label} drafted in {n} of {self._steps} steps ({span})")
+            elif s.bands is not None:
+                m = self._matched[s.name]
+                parts.append(f"{s.label}: no match in the text" if not m else
+                             f"{s.label}: matches at {m} steps, none likely enough to pay here")
+            else:
+                ratio = s.draft_cost / self._T[1]
+                if self.plan(s, self.kmax, alpha=1.0)[0] == 0:
+                    parts.append(f"{s.label} not used: it costs {ratio:.2f} of a target step on this machine, "
+                                 "so it cannot pay even if every draft is accepted")
+                else:
+                    parts.append(f"{s.label} not used: at its estimated acceptance {s.estimator.alpha:.2f} it does "
+                                 f"not pay (it costs {ratio:.2f} of a target step)")
+        return "; ".join(parts)
 
     def finish(self, committed: Sequence[int]) -> None:
         for s in self.sources:
@@ -236,26 +303,45 @@ class SpeculationController(DrafterBase):
         alpha: a per-token acceptance to plan with (Eq. 1); else the estimator's expectation
         (default: the source's overall estimator).
         """
-        T = self.target_cost
+        K = min(cap, self.kmax)
+        if K <= 0:
+            return 0, 1.0 / self._T[1]
         est = source.estimator if estimator is None else estimator
-        expect = (lambda k: expected_tokens(alpha, k)) if alpha is not None else est.expected
-        best_k, best_rate = 0, 1.0 / T(1)
-        for k in range(1, min(cap, self.kmax) + 1):
-            rate = expect(k) / (extra + k * source.draft_cost + T(k + 1))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k, best_rate
+        E = expected_tokens_upto(alpha, K) if alpha is not None else est.expected_upto(K)  # [K+1]
+        k = np.arange(K + 1)
+        rates = E / (extra * (k > 0) + k * source.draft_cost + self._T[1:K + 2])  # k = 0: a plain step
+        best = int(np.argmax(rates))  # ties go to the smaller K
+        return best, float(rates[best])
+
+    def _cost_table(self) -> np.ndarray:
+        T = self.target_cost
+        return T.table(self.kmax + 1) if isinstance(T, ObservedCurve) else curve_table(T, self.kmax + 1)
+
+    def observe_verification(self, n: int, seconds: float) -> None:
+        """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs)."""
+        T = self.target_cost
+        if not isinstance(T, ObservedCurve):
+            return
+        T.observe(n, seconds)
+        self._T = self._cost_table()
+        lo, hi = self.DRIFT_BOUNDS
+        if self._on_drift is not None and T.samples >= self.DRIFT_MIN_SAMPLES and not lo <= T.drift <= hi:
+            self._on_drift(f"observed verification times are {T.drift:.2f}x the measured curve "
+                           f"after {T.samples} steps")
+            self._on_drift = None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         """Try the drafters whose best K beats plain decoding, best expected rate first; the
         first non-empty draft wins (an n-gram drafter without a match gives none). k is the
         cap that the engine allows this step."""
         self._last, self._last_est, self._last_k, self._last_probe = None, None, 0, False
+        self._steps += 1
         plans = []
         for s in self.sources:
             est, avail = s.estimator_for(context) if k > 0 else (None, 0)
             if est is None:
                 continue
+            self._matched[s.name] += 1
             cap = min(k, avail)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
@@ -263,7 +349,7 @@ class SpeculationController(DrafterBase):
                 # The catch-up is paid once, not every step: worth it when the time the
                 # steady rate saves per token repays it within the horizon.
                 k_s, r_s = self.plan(s, cap, 0.0, estimator=est)
-                if k_s > 0 and extra <= CATCH_UP_HORIZON * (self.target_cost(1) - 1.0 / r_s):
+                if k_s > 0 and extra <= CATCH_UP_HORIZON * (self._T[1] - 1.0 / r_s):
                     kk, rate = k_s, r_s
             # Probe only a drafter that could pay at all: with every draft accepted, after
             # its catch-up (on a CPU a draft model that lags the text never does); for a
@@ -289,6 +375,8 @@ class SpeculationController(DrafterBase):
                 self._last, self._last_est, self._last_k, self._last_probe = s, est, len(draft.token_ids), probe
                 self._plain_streak = 0
                 self.choices[s.name] += 1
+                self._used[s.name] += 1
+                self._ks.setdefault(s.name, []).append(len(draft.token_ids))
                 return draft
         self._plain_streak += 1
         self.choices["none"] += 1
@@ -301,11 +389,10 @@ class SpeculationController(DrafterBase):
         """Draft token i+1 only while its chance of being accepted (the product of the draft
         model's own top probabilities so far) times the time one plain step takes exceeds
         what drafting it and verifying one more position cost."""
-        T = self.target_cost
-
         def keep(i: int, p_cum: float) -> bool:
-            marginal = source.draft_cost + T(i + 2) - T(i + 1)
-            return p_cum * T(1) >= marginal
+            T = self._T
+            marginal = source.draft_cost + T[min(i + 2, len(T) - 1)] - T[i + 1]
+            return p_cum * T[1] >= marginal
 
         return keep
 

@@ -40,6 +40,16 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_upto(alpha: float, kmax: int) -> np.ndarray:
+    """[kmax + 1] E(alpha, k) for k = 0..kmax (Eq. 1, vectorised)."""
+    if not (0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha = {alpha} outside [0, 1]")
+    k = np.arange(kmax + 1, dtype=np.float64)
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
+
+
 def expected_tokens_positional(acceptance: Sequence[float]) -> float:
     """Tokens per pass with conditional acceptance a_i at draft position i (0-based):
     1 + sum_i prod_{j<=i} a_j. Equals expected_tokens(alpha, K) when every a_i = alpha."""
@@ -152,19 +162,102 @@ def machine_key(backend: Backend) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False) -> CostCurve:
-    """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON cache."""
-    path = cache_dir / "costs" / f"{machine_key(backend)}.json"
+# A cached curve older than this is measured again (seconds): a machine's load, its
+# library builds and its thermal state change over weeks.
+COST_CACHE_MAX_AGE_S = 14 * 24 * 3600
+
+
+def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
+    """Where the measured curve of this backend on this machine is cached."""
+    return cache_dir / "costs" / f"{machine_key(backend)}.json"
+
+
+def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
+                         max_age_s: float = COST_CACHE_MAX_AGE_S) -> CostCurve:
+    """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON
+    cache. The curve is measured again when the cache was written under another key (a
+    different model file, library build, thread count or CPU), for other ns, more than
+    ``max_age_s`` seconds ago, or was marked stale by :func:`mark_stale` (observed step
+    times drifted far from it)."""
+    key = machine_key(backend)
+    path = cost_cache_path(backend, cache_dir)
     if not refresh and path.exists():
         try:
-            curve = CostCurve.from_dict(json.loads(path.read_text()))
-            if tuple(curve.ns) == tuple(ns):
+            data = json.loads(path.read_text())
+            curve = CostCurve.from_dict(data)
+            fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
+            if tuple(curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale"):
                 return curve
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError):
             pass
     curve = measure_forward_curve(backend, ns)
+    _write_json(path, {**curve.to_dict(), "model": backend.name, "key": key, "measured_at": time.time()})
+    return curve
+
+
+def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
+    """Flag the cached curve of this backend so that the next :func:`cached_forward_curve`
+    measures it again (``why`` is kept in the file for whoever reads it)."""
+    path = cost_cache_path(backend, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    _write_json(path, {**data, "stale": why})
+
+
+def _write_json(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**curve.to_dict(), "model": backend.name}))
+    tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
-    return curve
+
+
+class ObservedCurve:
+    """T(n) as the controller plans with it: the measured curve, corrected by the step
+    times actually observed.
+
+    Every verification step is a free sample of T(n) (its forward plus the acceptance
+    rule). The ratio observed / measured is followed per measured point (an exponential
+    average over the samples nearest to it) and overall; a point with fewer than
+    ``min_samples`` samples uses the overall ratio, so that overheads seen at the sizes in
+    use also raise the sizes not yet tried. ``drift`` is that overall ratio: far from 1,
+    the measurement no longer describes the machine.
+
+    base: the measured curve. weight: weight of the newest sample in the averages.
+    """
+
+    def __init__(self, base: CostCurve, weight: float = 0.1, min_samples: int = 3) -> None:
+        self.base = base
+        self.weight = weight
+        self.min_samples = min_samples
+        self.drift = 1.0
+        self.samples = 0
+        self._ratio = [1.0] * len(base.ns)
+        self._count = [0] * len(base.ns)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """One step verified n tokens in ``seconds``."""
+        r = seconds / self.base(n)
+        j = int(np.argmin([abs(m - n) for m in self.base.ns]))
+        w = max(self.weight, 1.0 / (self._count[j] + 1))  # the first samples count fully
+        self._ratio[j] += w * (r - self._ratio[j])
+        self._count[j] += 1
+        self.samples += 1
+        self.drift += max(self.weight, 1.0 / self.samples) * (r - self.drift)
+
+    def _ratios(self) -> list[float]:
+        return [r if c >= self.min_samples else self.drift for r, c in zip(self._ratio, self._count)]
+
+    def __call__(self, n: int) -> float:
+        return self.base(n) * float(np.interp(n, self.base.ns, self._ratios()))
+
+    def table(self, n_max: int) -> np.ndarray:
+        """[n_max + 1] T(n) for n = 0..n_max (T(0) := T(1)), in one vectorised pass."""
+        return curve_table(self.base, n_max) * np.interp(np.maximum(np.arange(n_max + 1), 1), self.base.ns,
+                                                         self._ratios())
+
+
+def curve_table(curve: CostCurve, n_max: int) -> np.ndarray:
+    """[n_max + 1] curve(n) for n = 0..n_max, with curve(0) := curve(1)."""
+    return np.array([curve(max(n, 1)) for n in range(n_max + 1)])

@@ -116,6 +116,7 @@ class SpeculativeEngine:
                 self._target_cached = self._target_cached[: final_len - 1]
             gen.drafter.finish(gen.committed[:final_len])
         tail = out.end("length")
+        out.stats.controller_note = gen.drafter.explain()
         if tail:
             yield tail
         yield out.result()
@@ -134,7 +135,9 @@ class SpeculativeEngine:
 
         logits = target.forward([committed[-1]] + draft_ids, logits_for=range(k + 1))  # [k+1, V]
         result = self._verify(gen, draft_ids, draft_probs, logits)
-        stats.verify_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        stats.verify_s += t2 - t1
+        gen.drafter.observe_verification(k + 1, t2 - t1)
 
         new = gen.out.cut(committed_tokens(draft_ids, result))
         committed.extend(new)

@@ -12,9 +12,13 @@ from .errors import SpecDecodeError
 # the same role). Every K in the engine, the CLI, the server and the bench is checked
 # against this one value.
 MAX_NUM_SPECULATIVE_TOKENS = 32
-# The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step; the target's
-# verification cost is measured for n = 1 .. AUTO_KMAX + 1 tokens.
-AUTO_KMAX = 8
+# The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step.
+AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
+# Where the target's verification cost T(n) is measured (tokens per forward), up to
+# AUTO_KMAX + 1; the controller interpolates between them. Every point up to 9, then the
+# sizes around which llama.cpp's CPU kernels change (a 16-token forward can cost less
+# than a 12-token one).
+COST_CURVE_NS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
 # logprobs: the most likely tokens reported per emitted token (OpenAI's limit).
 MAX_LOGPROBS = 20
 

@@ -14,10 +14,10 @@ from . import models
 from .backends.base import Backend
 from .backends.llama_cpp import LlamaCppBackend
 from .controller import SpeculationController, Source
-from .costmodel import cached_forward_curve
+from .costmodel import cached_forward_curve, mark_stale
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from .errors import SpecDecodeError
-from .limits import AUTO_KMAX, BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
+from .limits import AUTO_KMAX, BACKENDS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
 from .vocab import vocab_fingerprint
 
 NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context, negligible next to a forward
@@ -92,20 +92,29 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
 
     draft: "auto" (n-gram lookup, plus the default draft model when it shares the target's
     tokenizer), "ngram", "none" (plain), or a draft model. Measures the target's
-    verification curve T(1..kmax+1) and the draft model's cost per token once per model
-    and machine (cached under the model cache).
+    verification curve T(n) at COST_CURVE_NS up to kmax + 1 and the draft model's cost per
+    token once per model and machine (cached under the model cache); the controller then
+    follows the observed verification times, and marks the cached curve stale when they
+    drift far from it.
     """
     if draft == "none":
         return NoDrafter()
-    curve = cached_forward_curve(target, list(range(1, kmax + 2)), models.cache_dir())
+    cache = models.cache_dir()
+    ns = sorted({n for n in COST_CURVE_NS if n <= kmax + 1} | {kmax + 1})
+    curve = cached_forward_curve(target, ns, cache)
+
+    def controller(sources: list[Source]) -> SpeculationController:
+        return SpeculationController(sources, curve, kmax=kmax, learn_costs=True,
+                                     on_drift=lambda why: mark_stale(target, cache, why))
+
     sources = []
     if draft in ("auto", "ngram"):
         sources.append(Source(NgramDrafter(), NGRAM_COST_S))
     if draft == "ngram" or (draft == "auto" and not default_draft_serves(target)):
-        return SpeculationController(sources, curve, kmax=kmax)
+        return controller(sources)
     model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
                          n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device,
                          draft_vocab=draft_vocab)
     draft_curve = cached_forward_curve(model.backend, [1, 64], models.cache_dir())
     sources.append(Source(model, draft_curve(1), prefill_cost=draft_curve(64) / 64))
-    return SpeculationController(sources, curve, kmax=kmax)
+    return controller(sources)

@@ -61,10 +61,11 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--target", default=models.DEFAULT_TARGET,
                    help="registry name, .gguf path or Hugging Face folder (default: %(default)s)")
     if draft:
-        p.add_argument("--draft", default=models.DEFAULT_DRAFT,
-                       help="registry name, .gguf path, Hugging Face folder, 'ngram' (prompt lookup), 'none' (plain "
-                            "decoding) or 'auto' (n-gram when it matches, else the default draft model when it pays) "
-                            "(default: %(default)s)")
+        p.add_argument("--draft", default="auto",
+                       help="registry name, .gguf path, Hugging Face folder, 'ngram' (prompt lookup), 'suffix' "
+                            "(lookup in this and earlier requests), 'none' (plain decoding) or 'auto' (lookups when "
+                            f"they match, and the default draft model {models.DEFAULT_DRAFT} when it shares the "
+                            "target's tokenizer and pays) (default: %(default)s)")
         p.add_argument("--num-speculative-tokens", "-k", type=k_value, default="auto",
                        help=f"K, drafted tokens per step (0..{MAX_NUM_SPECULATIVE_TOKENS}), or 'auto': chosen each "
                             "step from measured costs (default: %(default)s)")

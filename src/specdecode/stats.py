@@ -25,6 +25,8 @@ class Stats:
     decode_s: time from the end of prefill to the last committed token.
     draft_s, verify_s: parts of decode_s spent drafting and in target forward plus
         acceptance.
+    controller_note: what the cost-aware controller chose and why, in one line ("" when
+        the drafter has nothing to say).
     """
 
     prompt_tokens: int = 0
@@ -41,6 +43,7 @@ class Stats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    controller_note: str = ""
 
     @property
     def acceptance_rate(self) -> float:
@@ -97,4 +100,5 @@ class Stats:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "controller_note": self.controller_note,
         }

@@ -44,8 +44,10 @@ class Draft:
 class Drafter(Protocol):
     """What the engine and the controller need from a drafter.
 
-    has_lookup: the drafter answers ``lookup(context) -> Match`` (prompt lookup), so that
-    the controller can keep one acceptance estimate per kind of match.
+    has_lookup: the drafter answers ``lookup(context) -> Match`` (the kind of match it
+    would draft from) and ``available(context) -> int`` (the most tokens it could propose
+    there, 0 for none) before proposing, so that the controller can keep one acceptance
+    estimate per kind of match and skip a drafter with nothing to say.
     """
 
     name: str
@@ -78,6 +80,14 @@ class Drafter(Protocol):
         """A drafter that drafts token by token asks ``rule`` before each further token and
         stops when it says no (the controller's cost rule); others ignore it."""
 
+    def observe_verification(self, n: int, seconds: float) -> None:
+        """The target verified n tokens (last committed + drafts) in ``seconds`` (its
+        forward and the acceptance rule): a free sample of T(n) for a cost-aware drafter."""
+
+    def explain(self) -> str:
+        """One line on what this drafter did in the last generation and why ("" if nothing
+        to say): the statistics block shows it."""
+
 
 class DrafterBase:
     """Defaults of the optional parts of the Drafter protocol: no state to free, nothing
@@ -106,6 +116,12 @@ class DrafterBase:
 
     def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
         pass
+
+    def observe_verification(self, n: int, seconds: float) -> None:
+        pass
+
+    def explain(self) -> str:
+        return ""
 
 
 class NoDrafter(DrafterBase):

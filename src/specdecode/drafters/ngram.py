@@ -101,6 +101,11 @@ class NgramDrafter(DrafterBase):
             return Match(int(lengths[best]), int(hits[best]) + n, bool((following == following[0]).all()))
         return Match(0, -1, False)
 
+    def available(self, context: Sequence[int]) -> int:
+        """How many tokens a proposal after context can hold at most (0: no match)."""
+        match = self.lookup(context)
+        return len(context) - match.start if match.length else 0
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k <= 0:
             return Draft([])

@@ -1,0 +1,165 @@
+"""The cost curve up to K = 32: a non-monotonic T(n), observed step times folded in, and a
+cached curve measured again when it no longer describes the machine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specdecode import costmodel
+from specdecode.controller import AcceptanceEstimator, Source, SpeculationController
+from specdecode.costmodel import CostCurve, ObservedCurve, cached_forward_curve, mark_stale
+from specdecode.drafters import Draft, DrafterBase
+from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
+from specdecode.sampling import Sampler, SamplingParams
+
+# A llama.cpp-like CPU curve (seconds): per-token cost falls once the batch reaches 16
+# tokens, so T(16) < T(12).
+BENT = CostCurve(COST_CURVE_NS, (0.030, 0.059, 0.080, 0.103, 0.125, 0.144, 0.168, 0.227, 0.244,
+                                 0.289, 0.250, 0.376, 0.412, 0.430))
+
+
+class Fixed(DrafterBase):
+    name = "fixed"
+
+    def propose(self, context, k):
+        return Draft([7] * k)
+
+
+def source(alpha: float) -> Source:
+    return Source(Fixed(), 0.0, estimator=AcceptanceEstimator(prior_alpha=alpha, prior_weight=1e6))
+
+
+def test_the_curve_is_measured_to_k_32():
+    assert COST_CURVE_NS[-1] == AUTO_KMAX + 1 == 33
+    assert BENT(16) < BENT(12) and BENT(14) == pytest.approx((0.289 + 0.250) / 2)
+
+
+def test_plan_picks_k_15_where_t16_is_cheaper_than_t12():
+    c = SpeculationController([source(0.95)], BENT, kmax=32)
+    k, rate = c.plan(c.sources[0], 32)
+    assert k == 15
+    # By hand: E(0.95, 15) / T(16) beats every other K, plain included.
+    e = (1 - 0.95 ** 16) / 0.05
+    assert rate == pytest.approx(e / 0.250)
+    assert rate > 1 / 0.030
+
+
+def test_plan_picks_plain_when_acceptance_is_low():
+    c = SpeculationController([source(0.1)], BENT, kmax=32)
+    assert c.plan(c.sources[0], 32)[0] == 0
+
+
+def test_always_accepted_drafts_settle_on_the_cheapest_block_per_token():
+    c = SpeculationController([Source(Fixed(), 0.0, estimator=AcceptanceEstimator(prior_alpha=0.9))], BENT, kmax=32)
+    c.start([1, 2, 3], Sampler(SamplingParams()))
+    ks = []
+    for _ in range(30):
+        k = len(c.propose([1, 2, 3], 32).token_ids)
+        c.observe(k)
+        ks.append(k)
+    # Fully accepted: 32 tokens for T(32) = 0.412 s (78/s) beats 16 for T(16) = 0.25 s (64/s)
+    # and 9 for T(9) = 0.244 s (37/s); K = 32 would need T(33).
+    assert ks[-5:] == [31] * 5
+
+
+def test_observed_times_are_folded_into_the_curve():
+    obs = ObservedCurve(BENT, weight=0.5, min_samples=3)
+    assert obs(16) == pytest.approx(BENT(16))
+    for _ in range(10):
+        obs.observe(1, 2 * BENT(1))  # this machine is now twice as slow at n = 1
+    assert obs(1) == pytest.approx(2 * BENT(1), rel=1e-3)
+    assert obs.drift == pytest.approx(2.0, rel=1e-3)
+    # Points not yet observed follow the overall ratio, so no size looks cheap for lack of samples.
+    assert obs(33) == pytest.approx(2 * BENT(33), rel=1e-3)
+    np.testing.assert_allclose(obs.table(33)[1:], [obs(n) for n in range(1, 34)])
+
+
+def test_controller_with_learned_costs_follows_the_machine():
+    """On a machine where blocks turn out dear (observed T(16) four times the measurement),
+    a controller that learns costs stops choosing the 16-token block; one that does not, keeps it."""
+    drifts = []
+    learned = SpeculationController([source(0.95)], BENT, kmax=32, learn_costs=True, on_drift=drifts.append)
+    fixed = SpeculationController([source(0.95)], BENT, kmax=32)
+    for c in (learned, fixed):
+        for _ in range(80):
+            c.observe_verification(16, 4 * BENT(16))
+            c.observe_verification(1, BENT(1))
+    assert fixed.plan(fixed.sources[0], 32)[0] == 15
+    assert learned.plan(learned.sources[0], 32)[0] < 15
+    assert len(drifts) == 1 and "the measured curve" in drifts[0]  # reported once
+
+
+class FakeTarget:
+    """What machine_key and measure_forward_curve read, without a model."""
+
+    name = "fake"
+    path = None
+    n_threads = 2
+    device = "cpu"
+    cost_key = ""
+    n_vocab = 1000
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    calls = []
+
+    def fake_measure(backend, ns, context=64, reps=5):
+        calls.append(tuple(ns))
+        return CostCurve(tuple(ns), tuple(0.01 * n for n in ns))
+
+    monkeypatch.setattr(costmodel, "measure_forward_curve", fake_measure)
+    return calls
+
+
+def test_cached_curve_is_reused(tmp_path, measured):
+    t = FakeTarget()
+    a = cached_forward_curve(t, [1, 2, 3], tmp_path)
+    b = cached_forward_curve(t, [1, 2, 3], tmp_path)
+    assert a == b and len(measured) == 1
+
+
+def test_curve_written_under_another_key_is_measured_again(tmp_path, measured):
+    t = FakeTarget()
+    cached_forward_curve(t, [1, 2, 3], tmp_path)
+    path = costmodel.cost_cache_path(t, tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "key": "another library build"}))
+    cached_forward_curve(t, [1, 2, 3], tmp_path)
+    assert len(measured) == 2
+
+
+def test_old_or_drifted_curve_is_measured_again(tmp_path, measured):
+    t = FakeTarget()
+    cached_forward_curve(t, [1, 2, 3], tmp_path)
+    cached_forward_curve(t, [1, 2, 3], tmp_path, max_age_s=-1)  # expired
+    assert len(measured) == 2
+    mark_stale(t, tmp_path, "observed 2.0x the measured curve")
+    assert "2.0x" in json.loads(costmodel.cost_cache_path(t, tmp_path).read_text())["stale"]
+    cached_forward_curve(t, [1, 2, 3], tmp_path)
+    assert len(measured) == 3
+    cached_forward_curve(t, [1, 2, 3], tmp_path)  # the new measurement is fresh
+    assert len(measured) == 3
+    cached_forward_curve(t, [1, 2, 3, 4], tmp_path)  # other points
+    assert len(measured) == 4
+
+
+def test_explain_says_why_a_costly_draft_model_is_not_used():
+    class Model(DrafterBase):
+        name = "model"
+
+        def propose(self, context, k):
+            return Draft([7] * k)
+
+    cheap = source(0.95)
+    dear = Source(Model(), 0.6 * BENT(1))
+    c = SpeculationController([cheap, dear], BENT, kmax=32)
+    c.start([1, 2, 3], Sampler(SamplingParams()))
+    for _ in range(5):
+        c.observe(len(c.propose([1, 2, 3], 32).token_ids))
+    note = c.explain()
+    assert "fixed drafted in 5 of 5 steps" in note
+    assert "model not used: it costs 0.60 of a target step" in note
