@@ -71,7 +71,7 @@ class Decoder:
         if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
             raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
                                   param="draft_vocab")
-        if draft_vocab and draft in ("ngram", "none"):
+        if draft_vocab and draft in ("ngram", "suffix", "none"):
             raise SpecDecodeError(f"draft_vocab = {draft_vocab} applies to a draft model; draft {draft!r} has none",
                                   param="draft_vocab")
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,

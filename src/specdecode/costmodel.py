@@ -235,6 +235,7 @@ class ObservedCurve:
         self.samples = 0
         self._ratio = [1.0] * len(base.ns)
         self._count = [0] * len(base.ns)
+        self._base_table = np.array([base(1)])  # base(n) for n = 0..len-1, grown on demand
 
     def observe(self, n: int, seconds: float) -> None:
         """One step verified n tokens in ``seconds``."""
@@ -254,8 +255,10 @@ class ObservedCurve:
 
     def table(self, n_max: int) -> np.ndarray:
         """[n_max + 1] T(n) for n = 0..n_max (T(0) := T(1)), in one vectorised pass."""
-        return curve_table(self.base, n_max) * np.interp(np.maximum(np.arange(n_max + 1), 1), self.base.ns,
-                                                         self._ratios())
+        if len(self._base_table) <= n_max:
+            self._base_table = curve_table(self.base, n_max)
+        n = np.arange(n_max + 1)
+        return self._base_table[: n_max + 1] * np.interp(np.maximum(n, 1), self.base.ns, self._ratios())
 
 
 def curve_table(curve: CostCurve, n_max: int) -> np.ndarray:

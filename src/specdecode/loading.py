@@ -15,7 +15,7 @@ from .backends.base import Backend
 from .backends.llama_cpp import LlamaCppBackend
 from .controller import SpeculationController, Source
 from .costmodel import cached_forward_curve, mark_stale
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from .errors import SpecDecodeError
 from .limits import AUTO_KMAX, BACKENDS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
 from .vocab import vocab_fingerprint
@@ -59,8 +59,8 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_
 def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                  device: str = DEFAULT_DEVICE, draft_vocab: int = 0) -> Drafter:
-    """'none', 'ngram', or a draft model (registry name, .gguf path or HF folder on any
-    backend) checked against the target's vocabulary. draft_vocab: see ModelDrafter's
+    """'none', 'ngram', 'suffix', or a draft model (registry name, .gguf path or HF folder on
+    any backend) checked against the target's vocabulary. draft_vocab: see ModelDrafter's
     vocab_subset (torch drafts; 0 = the full vocabulary).
 
     Raises IncompatibleVocabularyError when the draft model's tokenizer differs (the
@@ -70,6 +70,8 @@ def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_thre
         return NoDrafter()
     if draft == "ngram":
         return NgramDrafter()
+    if draft == "suffix":
+        return SuffixDrafter()
     d = load_backend(draft, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype, device=device,
                      progress=progress)
     try:
@@ -90,8 +92,8 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
                     dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0) -> Drafter:
     """The cost-aware controller over the drafters that ``draft`` names.
 
-    draft: "auto" (n-gram lookup, plus the default draft model when it shares the target's
-    tokenizer), "ngram", "none" (plain), or a draft model. Measures the target's
+    draft: "auto" (n-gram and suffix lookup, plus the default draft model when it shares the
+    target's tokenizer), "ngram", "suffix", "none" (plain), or a draft model. Measures the target's
     verification curve T(n) at COST_CURVE_NS up to kmax + 1 and the draft model's cost per
     token once per model and machine (cached under the model cache); the controller then
     follows the observed verification times, and marks the cached curve stale when they
@@ -110,7 +112,9 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
     sources = []
     if draft in ("auto", "ngram"):
         sources.append(Source(NgramDrafter(), NGRAM_COST_S))
-    if draft == "ngram" or (draft == "auto" and not default_draft_serves(target)):
+    if draft in ("auto", "suffix"):
+        sources.append(Source(SuffixDrafter(), NGRAM_COST_S))
+    if draft in ("ngram", "suffix") or (draft == "auto" and not default_draft_serves(target)):
         return controller(sources)
     model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,
                          n_threads=n_threads, progress=progress, backend=backend, dtype=dtype, device=device,
