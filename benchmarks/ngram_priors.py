@@ -7,7 +7,8 @@ of match (match-length band, unique continuation or not), how often the first pr
 token equals the target's next token and how often each further one does once the one
 before it did. Prints the table as it goes into MATCH_PRIORS, and a replay of the
 controller over the same outputs with the cached cost curve T(n): the speedup it would
-reach with no overheads, beside that of an oracle that knows each draft's outcome.
+reach with no overheads, beside that of the bench's oracle (specdecode.bench.oracle), which
+knows each draft's outcome, at the controller's K cap (limits.AUTO_KMAX).
 
     python benchmarks/ngram_priors.py [--target NAME] [--out outputs.json]
 """
@@ -55,42 +56,32 @@ def acceptance_table(examples):
     return {k: (v[1] / v[0], v[3] / max(v[2], 1), v[0]) for k, v in st.items()}, MATCH_BANDS
 
 
-def replay(examples, make_controller, T):
-    """Speedup per category (plain time / speculative time) of a controller replayed over
-    fixed greedy outputs, each step costing T(k + 1); and of the oracle."""
+def replay(examples, make_controller, T, kmax):
+    """Per category: plain time, time of a controller replayed over fixed greedy outputs
+    (each step costing T(k + 1), K <= kmax), and time of the oracle over prompt lookup with
+    K <= kmax (seconds)."""
+    from specdecode.bench.oracle import oracle_replay
     from specdecode.drafters import NgramDrafter
     from specdecode.sampling import Sampler, SamplingParams
 
     per = defaultdict(lambda: [0.0, 0.0, 0.0])
-    oracle_d = NgramDrafter()
     for ex in examples:
         out, prompt = ex["output"], ex["prompt"]
         ctl = make_controller()
         ctl.start(prompt, Sampler(SamplingParams()))
         i, t = 0, 0.0
         while i < len(out):
-            d = ctl.propose(prompt + out[:i], max(0, min(8, len(out) - i - 1)))
+            d = ctl.propose(prompt + out[:i], max(0, min(kmax, len(out) - i - 1)))
             k, n = len(d.token_ids), 0
             while n < k and d.token_ids[n] == out[i + n]:
                 n += 1
             ctl.observe(n)
             t += T(k + 1)
             i += n + 1
-        i, t_oracle = 0, 0.0
-        while i < len(out):
-            ctx = prompt + out[:i]
-            m = oracle_d.lookup(ctx)
-            prop = ctx[m.start: m.start + min(8, len(out) - i - 1)] if m.length else []
-            n = 0
-            while n < len(prop) and prop[n] == out[i + n]:
-                n += 1
-            best = max(range(len(prop) + 1), key=lambda k: (min(n, k) + 1) / T(k + 1))
-            t_oracle += T(best + 1)
-            i += min(n, best) + 1
         c = per[ex["category"]]
         c[0] += len(out) * T(1)
         c[1] += t
-        c[2] += t_oracle
+        c[2] += oracle_replay(prompt, out, T, [NgramDrafter()], kmax=kmax).time_s
     return per
 
 
@@ -106,6 +97,7 @@ def main() -> int:
     from specdecode.costmodel import cached_forward_curve
     from specdecode.drafters import NgramDrafter
     from specdecode.bench import load_prompts
+    from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
 
     with Decoder(target=args.target, draft="none", num_speculative_tokens=0, progress=False) as dec:
         if args.out and args.out.exists():
@@ -119,14 +111,15 @@ def main() -> int:
                 print(f"{p.id}: {len(r.token_ids)} tokens", file=sys.stderr, flush=True)
             if args.out:
                 args.out.write_text(json.dumps(examples))
-        T = cached_forward_curve(dec.target, list(range(1, 10)), models.cache_dir())
+        T = cached_forward_curve(dec.target, COST_CURVE_NS, models.cache_dir())
 
     table, bands = acceptance_table(examples)
     print("band  unique  drafts  first  further")
     for (b, u), (a1, a, n) in sorted(table.items()):
         print(f"{bands[b]:>4}  {str(u):6} {n:7d}  {a1:5.2f}  {a:7.2f}")
-    per = replay(examples, lambda: SpeculationController([Source(NgramDrafter(), 2e-4)], T, kmax=8), T)
-    print("\nreplay with T(n), no overheads: category  controller  oracle")
+    kmax = AUTO_KMAX
+    per = replay(examples, lambda: SpeculationController([Source(NgramDrafter(), 2e-4)], T, kmax=kmax), T, kmax)
+    print(f"\nreplay with T(n), no overheads, K <= {kmax}: category  controller  oracle")
     for cat, (plain, spec, oracle) in per.items():
         print(f"  {cat:14} {plain / spec:5.2f}x  {plain / oracle:5.2f}x")
     tot = [sum(v[i] for v in per.values()) for i in range(3)]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdecode.bench import (CATEGORIES, BenchConfig, add_bench_parser, config_from_args, load_prompts,
-                              parse_config, run_bench, select_prompts)
+from specdecode.bench import (CATEGORIES, BenchConfig, add_bench_parser, config_from_args, load_prompts, markdown,
+                              parse_config, print_table, run_bench, select_prompts, summarize)
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_NUM_SPECULATIVE_TOKENS
 from specdecode.sampling import SamplingParams
@@ -23,6 +24,52 @@ def test_builtin_suite_has_eight_prompts_per_category():
     for cat in CATEGORIES:
         assert sum(p.category == cat for p in prompts) >= 8, cat
     assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_the_repeat_category_chains_requests():
+    """"repeat" (last in CATEGORIES) opens each chain with a novel request, later ones asking
+    for (nearly) the same output again in a new prompt; the first three are one chain."""
+    assert CATEGORIES[-1] == "repeat" and CATEGORIES[:-1] == ("code_editing", "extraction", "qa_passages",
+                                                               "translation", "math", "chat", "multi_turn")
+    rep = [p for p in load_prompts(None) if p.category == "repeat"]
+    assert [p.id for p in rep] == [f"repeat-{i:02d}" for i in range(1, 9)]
+    assert all(p.messages and 100 <= p.max_tokens <= 200 for p in rep)
+    first3 = select_prompts(load_prompts(None), ["repeat"], per_category=3)
+    user = [p.messages[-1]["content"] for p in first3]
+    assert user[2] == user[0] and user[1].startswith(user[0]) and user[1] != user[0]
+
+
+def _oracle_keys_are_sane(entry: dict, defined: bool) -> None:
+    assert "oracle_speedup" in entry and "oracle_fraction" in entry
+    if defined:
+        assert entry["oracle_speedup"] >= 1.0 and entry["oracle_fraction"] > 0
+    else:
+        assert entry["oracle_speedup"] is None and entry["oracle_fraction"] is None
+
+
+def test_summary_sums_oracle_times_and_reports_the_fraction():
+    def row(cat, spec, plain, oracle_s=None, plain_s=None):
+        return {"category": cat, "config": "ngram:3", "spec_tokens_per_s": spec, "plain_tokens_per_s": plain,
+                "drafted": 0, "accepted": 0, "completion_tokens": 1, "target_forward_passes": 1,
+                "accepted_per_position": [], "drafted_per_position": [], "parity": "exact",
+                "oracle_time_s": oracle_s, "oracle_plain_time_s": plain_s}
+
+    rows = [row("chat", 20.0, 10.0, 1.0, 2.0), row("chat", 20.0, 10.0, 3.0, 10.0), row("math", 10.0, 10.0, 4.0, 4.0)]
+    s = summarize(rows, ["ngram:3"])["ngram:3"]
+    assert s["chat"]["oracle_speedup"] == pytest.approx(12 / 4) and s["chat"]["speedup"] == 2.0
+    assert s["chat"]["oracle_fraction"] == pytest.approx(2 / 3, abs=1e-3)
+    assert s["math"]["oracle_speedup"] == 1.0 and s["math"]["oracle_fraction"] == 1.0
+    assert s["overall"]["oracle_speedup"] == pytest.approx(16 / 8)
+    # No oracle times (sampling, a draft model): None, and the reports say "-".
+    none = summarize([row("chat", 20.0, 10.0)], ["ngram:3"])
+    _oracle_keys_are_sane(none["ngram:3"]["overall"], defined=False)
+    meta = {"target": "t", "prompts": 3, "temperature": 0.0, "threads": 2, "peak_rss_mb": 1.0,
+            "rss_before_peer_mb": 1.0, "peer": None}
+    md = markdown({"ngram:3": s, "other": none["ngram:3"]}, meta)
+    assert "| chat | 20.0 | 10.0 | 2.0x | 3.00x | 67% |" in md and "| 2.0x | - | - |" in md
+    buf = io.StringIO()
+    print_table({"meta": meta, "summary": {"ngram:3": s, "other": none["ngram:3"]}}, file=buf)
+    assert "oracle" in buf.getvalue() and "3.00x" in buf.getvalue() and "67%" in buf.getvalue()
 
 
 def test_bad_prompt_files(tmp_path):
@@ -119,6 +166,13 @@ def test_run_bench_is_a_library_call(smollm_path, tmp_path):
     o = res["summary"]["ngram:3"]["overall"]
     assert o["prompts"] == 2 and o["parity"]["divergent"] == 0
     assert {"chat", "code_editing", "overall"} == set(res["summary"]["ngram:3"])
+    # Greedy: the oracle replays the plain outputs over prompt lookup with the measured T(n).
+    for per in res["summary"]["ngram:3"].values():
+        _oracle_keys_are_sane(per, defined=True)
+    for r in res["rows"]:
+        assert r["oracle_plain_time_s"] > 0 and 0 < r["oracle_time_s"] <= r["oracle_plain_time_s"] * (1 + 1e-9)
+    assert res["meta"]["oracle_drafters"] == {"ngram": ["ngram"]}
+    assert res["meta"]["cost_curve"]["ns"][0] == 1 and len(res["meta"]["cost_curve"]["seconds"]) > 1
 
 
 def test_the_torch_draft_is_found_through_draft_backends():
@@ -152,7 +206,10 @@ def test_bench_json_and_outputs(smollm_path, tmp_path):
         assert o["plain_decode_tokens_per_s"] > 0 and o["speedup"] > 0
         assert 0.0 <= o["acceptance_rate"] <= 1.0 and o["mean_accepted_length"] > 0
         assert sum(o["parity"].values()) == 3 and o["parity"]["divergent"] == 0
+        for entry in per.values():
+            _oracle_keys_are_sane(entry, defined=True)
     assert len(res["rows"]) == 6 and res["meta"]["peak_rss_mb"] > 0
+    assert "| oracle speedup | of oracle |" in (out / "results.md").read_text()
     for name in ("results.json", "results.md", "speedup_by_category.png", "acceptance_by_position.png",
                  "tokens_per_s_vs_k.png"):
         assert (out / name).stat().st_size > 0

@@ -14,9 +14,14 @@ uses a draft model on the torch backend, ``generate(assistant_model=...)`` with 
 Decode tokens/s here is (tokens - 1) / (seconds from the first token to the last) for
 every runner alike, so prefill never enters the comparison.
 
+With greedy sampling each configuration is also set beside its oracle (:mod:`.oracle`):
+the plain outputs replayed with the target's measured cost curve T(n), each step taking
+the lookup draft and K (up to 32) that commit the most tokens per second given the
+outcome; reported as ``oracle_speedup`` and ``oracle_fraction`` (measured speedup over it).
+
 Modules: :mod:`.suite` (prompts, configurations), :mod:`.runner` (:class:`BenchConfig`,
-:func:`run_bench`, the library entry point), :mod:`.peers`, :mod:`.report` (summary,
-Markdown, plots, table) and :mod:`.cli` (the ``bench`` subcommand).
+:func:`run_bench`, the library entry point), :mod:`.peers`, :mod:`.oracle`, :mod:`.report`
+(summary, Markdown, plots, table) and :mod:`.cli` (the ``bench`` subcommand).
 
 Example::
 
@@ -26,6 +31,7 @@ Example::
 """
 
 from .cli import add_bench_parser, cmd_bench, config_from_args
+from .oracle import OracleResult, OracleStep, lookup_drafters, oracle_replay, oracle_speedup
 from .peers import PromptLookupPeer, TransformersPeer, decode_rate, torch_draft_model
 from .report import markdown, plots, print_table, summarize, write_outputs
 from .runner import BenchConfig, peak_rss_mb, run_bench
@@ -34,6 +40,7 @@ from .suite import CATEGORIES, BenchPrompt, load_prompts, parse_config, select_p
 __all__ = [
     "BenchConfig", "run_bench", "peak_rss_mb",
     "CATEGORIES", "BenchPrompt", "load_prompts", "parse_config", "select_prompts",
+    "OracleResult", "OracleStep", "lookup_drafters", "oracle_replay", "oracle_speedup",
     "PromptLookupPeer", "TransformersPeer", "decode_rate", "torch_draft_model",
     "summarize", "markdown", "plots", "print_table", "write_outputs",
     "add_bench_parser", "cmd_bench", "config_from_args",

@@ -2,7 +2,8 @@
 PNG plots (matplotlib, imported only when plotting) and the terminal table.
 
 Units: tokens/s for rates (medians over prompts), MB for resident memory, speedups are
-ratios of medians.
+ratios of medians; the oracle's speedup is a ratio of summed modelled times (seconds, see
+:mod:`.oracle`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,22 @@ def _per_position(rows: list[dict], key: str, width: int) -> list[int]:
     return [sum(r[key][i] for r in rows if i < len(r[key])) for i in range(width)]
 
 
+def _oracle(rs: list[dict], speedup: float | None) -> dict:
+    """oracle_speedup: summed plain over summed oracle times of the rows (None unless every
+    row has them); oracle_fraction: the measured speedup over it."""
+    plain_s = [r.get("oracle_plain_time_s") for r in rs]
+    oracle_s = [r.get("oracle_time_s") for r in rs]
+    if any(x is None for x in plain_s + oracle_s) or not sum(oracle_s):
+        return {"oracle_speedup": None, "oracle_fraction": None}
+    oracle = sum(plain_s) / sum(oracle_s)
+    return {"oracle_speedup": round(oracle, 3), "oracle_fraction": round(speedup / oracle, 3) if speedup else None}
+
+
 def summarize(rows: list[dict], configs: list[str]) -> dict:
     """Per configuration, per category and "overall": median decode tokens/s (speculative,
-    plain, peers), speedup, acceptance rate, mean accepted length, per-position acceptance
-    and parity counts."""
+    plain, peers), speedup, acceptance rate, mean accepted length, per-position acceptance,
+    parity counts, and the oracle's speedup and the fraction of it reached (None where the
+    rows have no oracle times: sampling, draft models)."""
     cats = sorted({r["category"] for r in rows}, key=lambda c: (CATEGORIES + (c,)).index(c))
     out: dict = {}
     for cfg in configs:
@@ -42,6 +55,7 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 continue
             spec = _median([r["spec_tokens_per_s"] for r in rs])
             plain = _median([r["plain_tokens_per_s"] for r in rs])
+            speedup = round(spec / plain, 3) if plain else None
             drafted = sum(r["drafted"] for r in rs)
             accepted = sum(r["accepted"] for r in rs)
             tokens = sum(r["completion_tokens"] for r in rs)
@@ -53,7 +67,8 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 "prompts": len(rs),
                 "decode_tokens_per_s": round(spec, 2),
                 "plain_decode_tokens_per_s": round(plain, 2),
-                "speedup": round(spec / plain, 3) if plain else None,
+                "speedup": speedup,
+                **_oracle(rs, speedup),
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
                 "mean_accepted_length": round(tokens / passes, 3) if passes else 0.0,
                 "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(acc_pos, dr_pos)],
@@ -71,21 +86,35 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
     return out
 
 
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def _pct(v: float | None) -> str:
+    return f"{100 * v:.0f}%" if v is not None else "-"
+
+
 def markdown(summary: dict, meta: dict) -> str:
     """The summary as Markdown: a header with the run's settings, one table per configuration."""
     lines = [f"# specdecode bench: {meta['target']}", "",
              f"{meta['prompts']} prompts, temperature {meta['temperature']}, {meta['threads']} threads, "
              f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer loads, {meta['peak_rss_mb']:.0f} MB in all",
-             f"peer: {meta.get('peer')}", ""]
+             f"peer: {meta.get('peer')}", "",
+             "oracle speedup: the greedy outputs replayed with the measured T(n), each step taking the "
+             "lookup draft and K that commit the most tokens per second knowing the outcome (draft models "
+             "are left out, so a configuration with one can pass it); of oracle: measured speedup / oracle speedup.",
+             ""]
     for cfg, per in summary.items():
         lines += [f"## {cfg}", "",
-                  "| category | decode tok/s | plain tok/s | speedup | acceptance | mean accepted length | "
-                  "prompt-lookup peer tok/s | assisted peer tok/s | parity exact/near-tie/divergent |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| category | decode tok/s | plain tok/s | speedup | oracle speedup | of oracle | acceptance | "
+                  "mean accepted length | prompt-lookup peer tok/s | assisted peer tok/s | "
+                  "parity exact/near-tie/divergent |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for cat, e in per.items():
             p = e["parity"]
             lines.append(f"| {cat} | {e['decode_tokens_per_s']} | {e['plain_decode_tokens_per_s']} | "
-                         f"{e['speedup']}x | {e['acceptance_rate']} | {e['mean_accepted_length']} | "
+                         f"{e['speedup']}x | {_x(e.get('oracle_speedup'))} | {_pct(e.get('oracle_fraction'))} | "
+                         f"{e['acceptance_rate']} | {e['mean_accepted_length']} | "
                          f"{e.get('peer_prompt_lookup_tokens_per_s', '-')} | "
                          f"{e.get('peer_assisted_tokens_per_s', '-')} | "
                          f"{p['exact']}/{p['near-tie']}/{p['divergent']} |")
@@ -114,9 +143,17 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     cats = [c for c in next(iter(summary.values())) if c != "overall"] + ["overall"]
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / max(1, len(cfgs))
+    oracle_label = "oracle (lookups, known outcomes)"
     for i, cfg in enumerate(cfgs):
         vals = [summary[cfg].get(c, {}).get("speedup") or 0 for c in cats]
-        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=cfg)
+        xs = [x + i * width for x in range(len(cats))]
+        ax.bar(xs, vals, width, label=cfg)
+        oracle = [(x, summary[cfg].get(c, {}).get("oracle_speedup")) for x, c in zip(xs, cats)]
+        oracle = [(x, v) for x, v in oracle if v is not None]
+        if oracle:  # a black tick over each bar: that configuration's oracle speedup
+            ax.scatter([x for x, _ in oracle], [v for _, v in oracle], marker="_", s=300, color="black", zorder=3,
+                       label=oracle_label)
+            oracle_label = None
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([x + width * (len(cfgs) - 1) / 2 for x in range(len(cats))], cats, rotation=30, ha="right")
     ax.set_ylabel("speedup over plain decoding (x)")
@@ -171,13 +208,15 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
     for cfg, per in result["summary"].items():
         print(f"\n{cfg}", file=file)
         assisted = any("peer_assisted_tokens_per_s" in e for e in per.values())
-        print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'accept':>7} {'len':>5} "
+        print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'oracle':>7} {'of it':>6} "
+              f"{'accept':>7} {'len':>5} "
               f"{'peer':>7}{' assisted' if assisted else ''} {'parity e/n/d':>13}", file=file)
         for cat, e in per.items():
             p = e["parity"]
             peer = e.get("peer_prompt_lookup_tokens_per_s")
             extra = f" {e.get('peer_assisted_tokens_per_s', '-'):>8}" if assisted else ""
             print(f"  {cat:14} {e['decode_tokens_per_s']:7.2f} {e['plain_decode_tokens_per_s']:7.2f} "
-                  f"{(e['speedup'] or 0):7.2f}x {e['acceptance_rate']:7.3f} {e['mean_accepted_length']:5.2f} "
+                  f"{(e['speedup'] or 0):7.2f}x {_x(e.get('oracle_speedup')):>7} {_pct(e.get('oracle_fraction')):>6} "
+                  f"{e['acceptance_rate']:7.3f} {e['mean_accepted_length']:5.2f} "
                   f"{peer if peer is not None else '-':>7}{extra} {p['exact']:>5}/{p['near-tie']}/{p['divergent']}",
                   file=file)

@@ -2,7 +2,13 @@
 
 For every prompt, plain decoding and each configuration run back to back in one process
 on the same loaded target, with the same sampling settings and max_tokens, after a
-warm-up; the peers (:mod:`.peers`) run on the same prompts.
+warm-up; the peers (:mod:`.peers`) run on the same prompts. Prompts run in file order and
+each configuration keeps its engine (and so its drafter) from one prompt to the next, so
+a drafter that learns across requests has seen the earlier ones.
+
+When sampling is greedy, the oracle (:mod:`.oracle`) replays the plain outputs, in the
+same order, with the target's measured cost curve T(n) and the lookup drafters of each
+configuration's draft: the speedup a perfectly informed controller would reach.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from pathlib import Path
 from .. import models
 from ..api import Decoder
 from ..backends.base import Backend
+from ..costmodel import CostCurve, cached_forward_curve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
-from ..limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX
+from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX,
+                      MAX_NUM_SPECULATIVE_TOKENS)
 from ..loading import make_controller, make_drafter
 from ..output import GenerationResult
 from ..parity import parity_report
 from ..sampling import SamplingParams
+from .oracle import OracleResult, lookup_drafters, oracle_replay
 from .peers import decode_rate, start_peer
 from .report import summarize
 from .suite import DEFAULT_BENCH_MAX_TOKENS, BenchPrompt, load_prompts, parse_config, select_prompts
@@ -121,7 +130,24 @@ def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationR
         "parity": parity_report(result, plain)["status"] if greedy else "n/a",
         "peer_tokens_per_s": peer_rate,
         "peer_assisted_tokens_per_s": assisted_rate,
+        "oracle_time_s": None, "oracle_plain_time_s": None,  # filled in by _add_oracle
     }
+
+
+def _add_oracle(runs: list[tuple[list[int], list[int], list[dict]]], drafts: dict[str, str],
+                oracle_drafters: dict[str, list], curve: CostCurve) -> None:
+    """Replay each run's plain greedy output (prompt ids, output ids, its rows), in bench
+    order, with the oracle over each draft's lookup drafters (kept across runs, so suffix
+    history accumulates as in the engines), and set each row's oracle_time_s and
+    oracle_plain_time_s (seconds: the oracle's, and len(output) * T(1)). One replay per
+    draft serves every configuration of that draft ("ngram:3" and "ngram:auto")."""
+    for ids, out, rows in runs:
+        res: dict[str, OracleResult] = {d: oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS)
+                                        for d, ds in oracle_drafters.items()}
+        for row in rows:
+            r = res.get(drafts[row["config"]])
+            if r is not None:
+                row["oracle_time_s"], row["oracle_plain_time_s"] = r.time_s, r.plain_s
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -133,7 +159,10 @@ def run_bench(config: BenchConfig) -> dict:
     and configuration}. Decode tokens/s is :func:`decode_rate` for every runner alike.
     Raises SpecDecodeError for bad prompt files, an empty selection, and models that cannot
     load or do not share the target's vocabulary. A peer that fails is noted in
-    ``meta["peer"]``, not raised.
+    ``meta["peer"]``, not raised. Greedy runs also get the oracle (:mod:`.oracle`):
+    per row oracle_time_s and oracle_plain_time_s, per summary entry oracle_speedup and
+    oracle_fraction (None for a draft model's configurations and when sampling), and
+    ``meta["cost_curve"]``, the target's T(n) it used.
     """
     from tqdm import tqdm
 
@@ -148,13 +177,23 @@ def run_bench(config: BenchConfig) -> dict:
         plain_engine = dec.engine
         _build_engines(config, target, engines)
         names = list(engines)
+        drafts = {f"{d}:{k}": d for d, k in config.parsed_configs()}
+        # The oracle needs greedy outputs and drafters without model cost; one drafter list
+        # per draft, kept across prompts. Measured (or read from the cache) before any
+        # generation, as the controller's curve is: measuring rolls the target's cache back.
+        oracle_drafters = {}
+        if params.greedy:
+            oracle_drafters = {d: ds for d in dict.fromkeys(drafts.values()) if (ds := lookup_drafters(d)) is not None}
+        curve = cached_forward_curve(target, COST_CURVE_NS, models.cache_dir()) if oracle_drafters else None
 
         def ids_of(p: BenchPrompt) -> list[int]:
             return dec.prompt_ids(p.prompt, p.messages)
 
         w = ids_of(prompts[0])
-        for eng in [plain_engine, *engines.values()]:
+        warm = plain_engine.generate(w, sampling=params, max_tokens=WARMUP_TOKENS)
+        for eng in engines.values():
             eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS)
+        runs = [(w, warm.token_ids, [])]  # the oracle's drafters see the warm-up as the engines' did
 
         rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
         peer, peer_note, assisted_peer = (start_peer(target, config.target, engines, config.n_ctx, w)
@@ -177,10 +216,12 @@ def run_bench(config: BenchConfig) -> dict:
                         assisted_rate = peer.run(ids, p.max_tokens, assisted=True)[1]
                 except Exception as e:  # one failed peer run must not lose the benchmark
                     peer_note = f"{peer_note}; failed on {p.id}: {type(e).__name__}: {e}"
+            runs.append((ids, plain.token_ids, []))
             for name, eng in engines.items():
                 r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens)
                 bar.update(1)
                 rows.append(_row(p, name, r, plain, plain_rate, params.greedy, peer_rate, assisted_rate))
+                runs[-1][2].append(rows[-1])
         bar.close()
         rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
         del peer
@@ -188,8 +229,12 @@ def run_bench(config: BenchConfig) -> dict:
         for eng in engines.values():
             eng.drafter.close()
         dec.close()
+    if curve is not None:  # after the timed runs, so the replays never delay them
+        _add_oracle(runs, drafts, oracle_drafters, curve)
     meta = {"target": config.target, "prompts": len(prompts), "temperature": params.temperature,
             "threads": getattr(target, "n_threads", None), "peak_rss_mb": round(rss, 1),
             "rss_before_peer_mb": round(rss_specdecode, 1),
-            "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite")}
+            "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite"),
+            "cost_curve": curve.to_dict() if curve is not None else None,
+            "oracle_drafters": {d: [x.name for x in ds] for d, ds in oracle_drafters.items()}}
     return {"meta": meta, "summary": summarize(rows, names), "rows": rows}

@@ -13,7 +13,7 @@ from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 
 # The built-in suite's categories, in the order reports list them.
-CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn")
+CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat")
 DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
 
 
