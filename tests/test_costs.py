@@ -163,3 +163,19 @@ def test_explain_says_why_a_costly_draft_model_is_not_used():
     note = c.explain()
     assert "fixed drafted in 5 of 5 steps" in note
     assert "model not used: it costs 0.60 of a target step" in note
+
+
+def test_auto_draft_with_a_fixed_k_caps_the_controller(smollm_path):
+    """--draft auto -k 3: the controller chooses the drafter each step, never more than 3 tokens;
+    -k 0 is plain decoding."""
+    import specdecode
+
+    text = "Repeat exactly: alpha beta gamma delta epsilon zeta eta theta. " * 3
+    with specdecode.Decoder(target="smollm2-135m-instruct", draft="auto", num_speculative_tokens=3,
+                            progress=False) as dec:
+        assert isinstance(dec.drafter, SpeculationController) and dec.drafter.kmax == 3
+        r = dec.generate(messages=[{"role": "user", "content": text}], max_tokens=24)
+        assert r.stats.drafted > 0 and all(int(k) <= 3 for k in r.stats.k_histogram)
+    with specdecode.Decoder(target="smollm2-135m-instruct", draft="auto", num_speculative_tokens=0,
+                            progress=False) as dec:
+        assert dec.generate("def f():", max_tokens=4).stats.drafted == 0

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.qwen
 
 @pytest.fixture(scope="module")
 def decoder():
-    with specdecode.Decoder(num_speculative_tokens=4, progress=False) as dec:
+    with specdecode.Decoder(draft=specdecode.models.DEFAULT_DRAFT, num_speculative_tokens=4, progress=False) as dec:
         yield dec
 
 

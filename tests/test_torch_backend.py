@@ -14,7 +14,7 @@ import transformers
 from specdecode import models
 from specdecode.backends.torch_backend import TorchBackend
 from specdecode.vocab import vocab_fingerprint
-from specdecode.drafters import Draft, ModelDrafter, NgramDrafter, NoDrafter
+from specdecode.drafters import Draft, DrafterBase, ModelDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
 from specdecode.sampling import Sampler, SamplingParams
@@ -133,7 +133,7 @@ def test_greedy_parity(models_, tokenizer, draft, k):
         assert spec.stats.target_forward_passes <= -(-40 // (k + 1)) + 1
 
 
-class MislabelledDrafter:
+class MislabelledDrafter(DrafterBase):
     """A wrong rule: samples drafts from the draft model's distribution q but reports a
     sharpened q**2 (renormalised) as the distribution they were drawn from. (Reporting
     one-hot would not do: accept-with-p(x)-else-resample-without-x is exact for any x.)"""

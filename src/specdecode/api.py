@@ -38,7 +38,8 @@ class Decoder:
         (plain decoding), or a draft model (registry name, .gguf path, Hugging Face folder).
     num_speculative_tokens: K, drafted tokens per step (0..MAX_NUM_SPECULATIVE_TOKENS), or
         "auto" (default): the cost-aware controller chooses K in 0..AUTO_KMAX each step
-        (:mod:`specdecode.controller`; both limits in :mod:`specdecode.limits`).
+        (:mod:`specdecode.controller`; both limits in :mod:`specdecode.limits`). With
+        draft "auto" and an integer K, the controller chooses the drafter and K <= that K.
     n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
@@ -66,8 +67,6 @@ class Decoder:
         self.target_name = target
         self.draft_name = draft
         k = check_num_speculative_tokens(num_speculative_tokens)
-        if k != "auto" and draft == "auto":
-            raise SpecDecodeError("--draft auto needs --num-speculative-tokens auto", param="num_speculative_tokens")
         if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
             raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
                                   param="draft_vocab")
@@ -82,6 +81,9 @@ class Decoder:
             if k == "auto":
                 self.drafter = make_controller(draft, self.target, kmax=AUTO_KMAX, **opts)
                 k = AUTO_KMAX
+            elif draft == "auto":
+                # Which drafter is only known step by step: the controller chooses it, with K <= k.
+                self.drafter = make_controller(draft, self.target, kmax=k, **opts) if k else NoDrafter()
             else:
                 self.drafter = make_drafter(draft, self.target, **opts)
             self.engine = SpeculativeEngine(self.target, self.drafter, k)
