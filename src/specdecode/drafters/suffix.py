@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
-from .base import ContinuationRule, Draft, DrafterBase
+from .base import Draft, DrafterBase
 from .ngram import Match
 
 # An index key packs the last 3 tokens ending at a position, newest in the high bits:
@@ -52,8 +52,8 @@ DEFAULT_HISTORY_TOKENS = 1_000_000
 # target continues that way, so drafting it is worth about (product of the shares) tokens,
 # and costs one more verified position: on a GPU (memory-bound) a few percent of a step,
 # on a compute-bound CPU over half of one. The controller passes its own rule from the
-# measured costs (set_continuation_rule); this floor serves a fixed K, which is chosen
-# where verification is cheap. 0.1 drops ambiguous guesses, keeps 2-to-1 majorities for a
+# measured costs and per-kind acceptance (it picks K); this floor serves a fixed K, which
+# is chosen where verification is cheap. 0.1 drops ambiguous guesses, keeps 2-to-1 majorities for a
 # few tokens (0.67, 0.44, 0.30, 0.20, 0.13), and every unanimous one (1.0).
 DEFAULT_MIN_CONFIDENCE = 0.1
 
@@ -129,7 +129,6 @@ class SuffixDrafter(DrafterBase):
         self.max_spec_factor = max_spec_factor
         self.max_draft = max_draft
         self.max_candidates = max_candidates
-        self.keep_drafting: ContinuationRule | None = None  # the controller's cost rule
         self.last_match_len = 0
         self._buf = np.full(1 << 16, -1, dtype=np.int32)
         self._used = 2  # buffer slots taken by the history, sentinels included
@@ -147,9 +146,6 @@ class SuffixDrafter(DrafterBase):
         self._support: np.ndarray | None = None  # history positions behind the last proposal
 
     # -- the Drafter protocol --------------------------------------------------------
-
-    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
-        self.keep_drafting = rule
 
     def start(self, prompt_ids: Sequence[int], sampler) -> None:
         self._reset_live()
@@ -171,14 +167,10 @@ class SuffixDrafter(DrafterBase):
             return Draft([])
         plan = self._plan(context)
         self.last_match_len = plan.match.length
+        # No token-by-token cost rule here: the controller already chose k from this kind
+        # of match's measured acceptance and the whole T(n) curve, and a myopic rule
+        # (T(i+2) - T(i+1) against one plain step) cuts long blocks where the curve bends.
         tokens = plan.tokens[:k]
-        if self.keep_drafting is not None:
-            # Token i+1's chance of acceptance is known before drafting it (confs[i]), where
-            # a draft model only knows the product up to token i.
-            for i in range(1, len(tokens)):
-                if not self.keep_drafting(i, plan.confs[i]):
-                    tokens = tokens[:i]
-                    break
         self._support = plan.support if tokens else None
         return Draft(list(tokens))
 
