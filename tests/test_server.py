@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdecode.api import Decoder
 from specdecode.cli import build_parser
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import MAX_N
 from specdecode.server import create_app
 
 MODEL = "smollm2-135m-instruct"
@@ -184,11 +185,48 @@ def test_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert b"".join(bytes(t.bytes) for t in content).decode() == c.choices[0].message.content
 
-    # Streamed: all logprobs ride on the final chunk.
+    # Streamed: each chunk carries the logprobs of the tokens its text completes.
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
                                                  logprobs=True, top_logprobs=2, stream=True))
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
+    assert chunks[-1].choices[0].finish_reason and chunks[-1].choices[0].logprobs is None
+
+
+def joined_completion_logprobs(chunks) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for ch in chunks:
+        if ch.choices and ch.choices[0].logprobs:
+            for key in out:
+                out[key] += getattr(ch.choices[0].logprobs, key)
+    return out
+
+
+@pytest.mark.parametrize("stop", [None, "stop"])
+def test_streamed_logprobs_ride_on_their_chunks_and_concatenate_to_the_full_ones(client, stop):
+    # Seeded sampling: the stream and the full response generate the same tokens.
+    kw = dict(model=MODEL, max_tokens=24, temperature=0.8, seed=99)
+    if stop:  # a stop string inside the text: tokens cut by it are reported by neither
+        full = client.completions.create(prompt=PROMPTS[3], **kw).choices[0].text
+        kw["stop"] = full[len(full) // 2:len(full) // 2 + 3]
+        assert kw["stop"].strip(), full
+    r = client.completions.create(prompt=PROMPTS[3], logprobs=2, **kw)
+    chunks = list(client.completions.create(prompt=PROMPTS[3], logprobs=2, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert joined_completion_logprobs(chunks) == r.choices[0].logprobs.model_dump()
+    with_logprobs = [c for c in chunks if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert len(with_logprobs) > 1 or stop, "logprobs must be spread over the chunks, not sent at the end"
+    for c in with_logprobs:  # a chunk's tokens are those its text (or text held before it) completes
+        assert c.choices[0].text or c is with_logprobs[-1]
+    assert chunks[-1].choices[0].finish_reason and chunks[-1].choices[0].logprobs is None
+
+    cr = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **kw)
+    cchunks = list(client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, stream=True, **kw))
+    streamed = [t.model_dump() for ch in cchunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert streamed == [t.model_dump() for t in cr.choices[0].logprobs.content]
+    assert len(streamed) == cr.usage.completion_tokens
+    assert sum(1 for ch in cchunks if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content) > 1
 
 
 def test_stop_strings(client):
@@ -219,6 +257,83 @@ def test_seeded_sampling_is_reproducible(client):
     assert len({a, sample(1), sample(2)}) > 1
 
 
+def test_missing_temperature_samples_as_openai(client):
+    # OpenAI's default temperature is 1: unseeded requests differ, seeded ones repeat.
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=16)
+    texts = [client.completions.create(**kw).choices[0].text for _ in range(4)]
+    assert len(set(texts)) > 1, texts
+    seeded = [client.completions.create(seed=5, **kw).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    # Unseeded choices of one request draw independently too.
+    choices = [c.text for c in client.completions.create(n=3, **kw).choices]
+    assert len(set(choices)) > 1, choices
+    chat = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16).choices[0].message.content
+            for _ in range(3)]
+    assert len(set(chat)) > 1, chat
+
+
+# ------------------------------------------------------------------ n choices
+
+
+def test_n_greedy_choices_are_plain_decoding_and_usage_adds_up(client, decoder, http):
+    prompt = PROMPTS[0]
+    direct = decoder.generate(prompt, max_tokens=10)
+    before = metrics(http)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, n=3)
+    after = metrics(http)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [direct.text] * 3
+    assert r.usage.prompt_tokens == len(decoder.prompt_ids(prompt))  # counted once
+    assert r.usage.completion_tokens == 3 * direct.stats.completion_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # n > 1: the statistics are per choice; there is no top-level object.
+    assert getattr(r, "speculation", None) is None
+    specs = [c.speculation for c in r.choices]
+    assert [sp["completion_tokens"] for sp in specs] == [direct.stats.completion_tokens] * 3
+    assert all(sp["draft"] == MODEL and sp["drafted"] > 0 for sp in specs)
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta("specdecode:request_success_total") == 3  # once per choice
+    assert delta("specdecode:generation_tokens_total") == r.usage.completion_tokens
+    assert delta("specdecode:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("specdecode:e2e_request_latency_seconds_count") == 1
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, n=2)
+    one = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert [c.message.content for c in chat.choices] == [one.choices[0].message.content] * 2
+    assert chat.usage.prompt_tokens == one.usage.prompt_tokens
+    assert chat.usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
+def test_n_seeded_choices_use_seed_plus_i_and_stream_in_turn(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0.9, seed=10)
+    r = client.completions.create(n=3, **kw)
+    singles = [client.completions.create(**{**kw, "seed": 10 + i}).choices[0].text for i in range(3)]
+    assert [c.text for c in r.choices] == singles
+    assert len(set(singles)) > 1, singles  # three seeds, three streams of draws
+
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    indexes = [c.choices[0].index for c in chunks if c.choices]
+    assert indexes == sorted(indexes) and set(indexes) == {0, 1, 2}  # each choice in turn
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(ch.text for ch in mine) == singles[i]
+        assert [ch.finish_reason is not None for ch in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1].speculation["completion_tokens"] >= 1
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.usage is not None for c in finals] == [False, False, True]  # the request's usage, on the last
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+
+    cchunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, n=2,
+                                                  stream=True))
+    roles = [c.choices[0].index for c in cchunks if c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    texts = ["".join(c.choices[0].delta.content or "" for c in cchunks if c.choices[0].index == i) for i in (0, 1)]
+    assert texts[0] == texts[1] and texts[0]
+
+
 # ------------------------------------------------------------------ bad input
 
 BAD = [
@@ -239,8 +354,9 @@ BAD = [
     ("c", {"model": MODEL, "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ("x", {"model": MODEL, "messages": CHAT, "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("c", {"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
-    ("c", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
-    ("x", {"model": MODEL, "messages": CHAT, "n": 3}, 400, "n"),
+    ("c", {"model": MODEL, "prompt": "hi", "n": MAX_N + 1}, 400, "n"),
+    ("x", {"model": MODEL, "messages": CHAT, "n": 0}, 400, "n"),
+    ("c", {"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": N_CTX // 2 + 1}, 400, "n"),
     ("c", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     ("c", {"model": MODEL, "prompt": "hi", "stop": 5}, 400, "stop"),
     ("c", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
@@ -314,6 +430,123 @@ def test_malformed_requests_and_routes(http, client):
     # Still serving.
     assert http.get("/health").json()["status"] == "ok"
     assert greedy_completion(client, PROMPTS[0], 4).usage.completion_tokens >= 1
+
+
+# ------------------------------------------------------------------ who may call, and how much
+
+
+KEY = "sk-test-0123456789abcdef"
+SMALL_BODY = 4096
+
+
+@pytest.fixture(scope="module")
+def guarded(decoder):
+    """A second server on the same decoder (the tests run one at a time): an API key and a
+    small body limit. Its worker's submit is counted, to show what never reaches it."""
+    app = create_app(decoder, max_queue=2, api_key=KEY, max_body_bytes=SMALL_BODY)
+    worker = app.state.worker
+    submitted = []
+    submit = worker.submit
+    worker.submit = lambda job: submitted.append(job) or submit(job)
+    with ServerThread(app) as s:
+        s.submitted = submitted
+        yield s
+
+
+def test_api_key_is_required_on_v1_and_checked_before_anything(guarded, server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    wrong = KEY[:-1] + ("0" if KEY[-1] != "0" else "1")  # differs in the last character only
+    with httpx.Client(base_url=guarded.url, timeout=60) as h:
+        before = metrics(h)
+        n_before = len(guarded.submitted)
+        attempts = [
+            h.post("/v1/completions", json=body),
+            h.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-wrong"}),
+            h.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {wrong}"}),
+            h.post("/v1/completions", json=body, headers={"Authorization": KEY}),  # no scheme
+            h.post("/v1/completions", json=body, headers={"Authorization": f"Basic {KEY}"}),
+            h.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}x"}),
+            # Refused before the body is read: neither its size nor its syntax is looked at.
+            h.post("/v1/chat/completions", content=b"{not json" * 1000, headers={"Authorization": "Bearer nope"}),
+            h.get("/v1/models"),
+            h.get("/v1/nothing-here"),
+        ]
+        for r in attempts:
+            err = check_error(r, 401)
+            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error", err
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert KEY not in r.text
+        after = metrics(h)
+        # /health and /metrics stay open.
+        assert h.get("/health").json()["status"] == "ok"
+        assert h.get("/metrics").status_code == 200
+        # The scheme's case does not matter (RFC 7235).
+        ok = h.get("/v1/models", headers={"Authorization": f"bearer {KEY}"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+    assert len(guarded.submitted) == n_before  # the worker never saw them
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta("specdecode:request_rejected_total", reason="unauthorized") == len(attempts)
+    assert delta("specdecode:request_rejected_total") == len(attempts)
+    for name in ("specdecode:request_success_total", "specdecode:request_queue_time_seconds_count",
+                 "specdecode:request_aborted_total"):
+        assert delta(name) == 0, name
+
+    # The official client with the right key works, and gives what the open server gives.
+    good = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    r = good.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    open_server = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    assert r.choices[0].text == greedy_completion(open_server, PROMPTS[0], 6).choices[0].text
+    assert [m.id for m in good.models.list().data] == [MODEL]
+    assert len(guarded.submitted) == n_before + 1
+    bad = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY[:-1], max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert e.value.code == "invalid_api_key"
+
+
+def test_oversized_body_gets_413_and_the_server_stays_healthy(guarded, http, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = json.dumps({"model": MODEL, "prompt": "x" * SMALL_BODY, "max_tokens": 2}).encode()
+    with httpx.Client(base_url=guarded.url, timeout=60, headers=auth) as h:
+        before = metrics(h)
+        n_before = len(guarded.submitted)
+        err = check_error(h.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+        assert err["code"] == "request_too_large" and str(SMALL_BODY) in err["message"]
+
+        def chunked():  # no Content-Length: the limit is found while reading
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+
+        err = check_error(h.post("/v1/chat/completions", content=chunked()), 413)
+        assert err["code"] == "request_too_large"
+        assert h.get("/health").json()["status"] == "ok"
+        after = metrics(h)
+        # A body just within the limit is read and served, on the same connection.
+        fits = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+        fits["user"] = "u" * (SMALL_BODY - len(json.dumps(fits)) - 20)
+        assert len(json.dumps(fits)) <= SMALL_BODY
+        assert h.post("/v1/completions", json=fits).status_code == 200
+    assert len(guarded.submitted) == n_before + 1
+    assert (total(after, "specdecode:request_rejected_total", reason="too_large")
+            - total(before, "specdecode:request_rejected_total", reason="too_large")) == 2
+
+    # The default limit, 4 MiB, on the open server.
+    huge = b'{"model": "' + b"m" * (4 << 20) + b'"}'
+    check_error(http.post("/v1/completions", content=huge), 413)
+    assert http.get("/health").json()["status"] == "ok"
+    assert greedy_completion(client, PROMPTS[0], 2).usage.completion_tokens >= 1
+
+
+def test_create_app_validates_the_key_and_the_body_limit(decoder):
+    with pytest.raises(SpecDecodeError) as e:
+        create_app(decoder, api_key="")
+    assert e.value.param == "api_key"
+    with pytest.raises(SpecDecodeError) as e:
+        create_app(decoder, max_body_bytes=0)
+    assert e.value.param == "max_body_bytes"
 
 
 # ------------------------------------------------------------------ concurrency
@@ -415,3 +648,35 @@ def test_serve_subcommand_options():
     assert (args.host, args.port, args.max_queue, args.ctx_size, args.threads, args.num_speculative_tokens) == (
         "0.0.0.0", 9001, 3, 1024, 2, 6)
     assert args.func.__name__ == "cmd_serve"
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_through_the_openai_client(client, stream):
+    for rf, content, check in [
+        ({"type": "json_object"}, 'Reply with the JSON object {"ok": true} and nothing else.',
+         lambda obj: isinstance(obj, dict)),
+        ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+         "Give a person as JSON.", lambda obj: set(obj) == {"name", "age"} and isinstance(obj["age"], int)),
+    ]:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=64, temperature=0,
+                  response_format=rf)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+        else:
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "stop"
+            text = r.choices[0].message.content
+        assert check(json.loads(text)), text
+
+
+def test_a_schema_that_cannot_be_compiled_answers_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert e.value.body["param"] == "response_format" and "nonsense" in e.value.body["message"]

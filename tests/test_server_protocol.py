@@ -4,16 +4,18 @@ no HTTP. tests/test_server.py checks the same inputs through a live server."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
 import pytest
 
 from specdecode.errors import ContextOverflowError, SpecDecodeError
-from specdecode.limits import MAX_LOGPROBS
+from specdecode.limits import MAX_LOGPROBS, MAX_N
 from specdecode.server import APIError, GenRequest, add_serve_parser, parse_request
-from specdecode.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_TEMPERATURE, from_specdecode_error,
-                                        parse_json_body, resolve_max_tokens)
+from specdecode.server.cli import API_KEY_ENV, api_key_from
+from specdecode.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_TEMPERATURE,
+                                        MAX_TEMPERATURE, from_specdecode_error, parse_json_body, resolve_max_tokens)
 
 MODEL = "smollm2-135m-instruct"
 N_CTX = 512
@@ -61,8 +63,15 @@ BAD = [
     ("c", {"model": MODEL, "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty", "presence_penalty"),
     ("x", {"model": MODEL, "messages": CHAT, "frequency_penalty": -3}, 400, "frequency_penalty", "frequency_penalty"),
     ("c", {"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed", "seed"),
-    ("c", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "n = 2 is not supported"),
-    ("x", {"model": MODEL, "messages": CHAT, "n": 3}, 400, "n", "n = 3 is not supported"),
+    ("c", {"model": MODEL, "prompt": "hi", "n": MAX_N + 1}, 400, "n",
+     f"n = {MAX_N + 1} is out of range: expected 1 <= n <= {MAX_N}"),
+    ("x", {"model": MODEL, "messages": CHAT, "n": 0}, 400, "n", "n = 0 is out of range"),
+    ("c", {"model": MODEL, "prompt": "hi", "n": "2"}, 400, "n", 'n must be an integer, got "2"'),
+    ("c", {"model": MODEL, "prompt": "hi", "n": 2.0}, 400, "n", "n must be an integer"),
+    ("c", {"model": MODEL, "prompt": "hi", "n": 4, "max_tokens": 200}, 400, "n",
+     f"n = 4 choices of max_tokens = 200 ask for 800 tokens, more than a request may (n * max_tokens <= {N_CTX}"),
+    ("x", {"model": MODEL, "messages": CHAT, "n": 2, "max_completion_tokens": N_CTX // 2 + 1}, 400, "n",
+     "n * max_tokens"),
     ("c", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop", "stop must be a non-empty string or a list"),
     ("c", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop", "stop must be a non-empty string or a list"),
     ("c", {"model": MODEL, "prompt": "hi", "stop": 5}, 400, "stop", "got 5"),
@@ -153,8 +162,29 @@ def test_json_body_decodes():
 
 def test_minimal_completion():
     req = parse("c", {"model": MODEL, "prompt": "hi"})
-    assert req == GenRequest(kind="completion", prompt="hi", messages=None, max_tokens=None, sampling={},
-                             stream=False, include_usage=False, logprobs=None)
+    assert req == GenRequest(kind="completion", prompt="hi", messages=None, max_tokens=None,
+                             sampling={"temperature": DEFAULT_TEMPERATURE}, stream=False, include_usage=False,
+                             logprobs=None, n=1)
+
+
+def test_missing_temperature_is_openais_default_of_1():
+    assert DEFAULT_TEMPERATURE == 1.0
+    for body in ({}, {"temperature": None}):
+        assert parse("c", {"model": MODEL, "prompt": "hi", **body}).sampling["temperature"] == 1.0
+        assert parse("x", {"model": MODEL, "messages": CHAT, **body}).sampling["temperature"] == 1.0
+    assert parse("c", {"model": MODEL, "prompt": "hi", "temperature": 0}).sampling["temperature"] == 0.0
+
+
+def test_n_choices_and_their_seeds():
+    req = parse("x", {"model": MODEL, "messages": CHAT, "n": MAX_N, "max_tokens": N_CTX // MAX_N, "seed": 7})
+    assert req.n == MAX_N
+    assert [req.choice_sampling(i)["seed"] for i in range(3)] == [7, 8, 9]
+    assert req.choice_sampling(0) is req.sampling and req.sampling["seed"] == 7  # the request's own is unchanged
+    unseeded = parse("c", {"model": MODEL, "prompt": "hi", "n": 3})
+    assert all("seed" not in unseeded.choice_sampling(i) for i in range(3))
+    wraps = parse("c", {"model": MODEL, "prompt": "hi", "n": 2, "seed": 2**64 - 1})
+    assert wraps.choice_sampling(1)["seed"] == 0
+    assert parse("c", {"model": MODEL, "prompt": "hi"}).n == 1
 
 
 def test_completion_sampling_stop_and_logprobs():
@@ -179,7 +209,7 @@ def test_nulls_harmless_defaults_and_empty_stop_are_no_ops():
     req = parse("c", {"model": MODEL, "prompt": "hi", "max_tokens": None, "temperature": None, "stop": [],
                       "stream_options": None, "n": 1, "echo": False, "best_of": 1, "logit_bias": {},
                       "response_format": {"type": "text"}, "tools": [], "user": "u", "suffix": None})
-    assert req.sampling == {} and req.max_tokens is None and req.stream is False
+    assert req.sampling == {"temperature": 1.0} and req.max_tokens is None and req.stream is False
 
 
 def test_max_completion_tokens_is_max_tokens():
@@ -202,7 +232,7 @@ def test_chat_messages_and_logprobs():
     req = parse("x", {"model": MODEL, "messages": msgs, "logprobs": True, "top_logprobs": 2})
     assert req.kind == "chat" and req.prompt is None
     assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    assert req.logprobs == 2 and req.sampling == {"logprobs": 2}
+    assert req.logprobs == 2 and req.sampling == {"temperature": 1.0, "logprobs": 2}
     # logprobs alone: the chosen token's logprob, no alternatives.
     assert parse("x", {"model": MODEL, "messages": CHAT, "logprobs": True}).logprobs == 0
     req = parse("x", {"model": MODEL, "messages": CHAT, "logprobs": False})
@@ -238,9 +268,9 @@ def test_sampling_errors_name_the_field(field, value):
 # ------------------------------------------------------------------ max_tokens against the prompt
 
 
-def req(kind: str, max_tokens: int | None) -> GenRequest:
+def req(kind: str, max_tokens: int | None, n: int = 1) -> GenRequest:
     return GenRequest(kind=kind, prompt="p" if kind == "completion" else None,
-                      messages=None if kind == "completion" else CHAT, max_tokens=max_tokens, sampling={})
+                      messages=None if kind == "completion" else CHAT, max_tokens=max_tokens, sampling={}, n=n)
 
 
 def test_resolve_max_tokens_defaults():
@@ -249,6 +279,11 @@ def test_resolve_max_tokens_defaults():
     assert resolve_max_tokens(req("chat", None), 10, N_CTX) == N_CTX - 10
     assert resolve_max_tokens(req("chat", 5), 10, N_CTX) == 5
     assert resolve_max_tokens(req("completion", N_CTX - 10), 10, N_CTX) == N_CTX - 10
+    # n choices: the default keeps n * max_tokens within the context size.
+    assert resolve_max_tokens(req("chat", None, n=4), 10, N_CTX) == N_CTX // 4
+    assert resolve_max_tokens(req("chat", None, n=4), N_CTX - 5, N_CTX) == 5
+    assert resolve_max_tokens(req("completion", None, n=MAX_N), 10, N_CTX) == DEFAULT_COMPLETION_MAX_TOKENS
+    assert resolve_max_tokens(req("completion", None, n=MAX_N), 10, 64) == 64 // MAX_N
 
 
 @pytest.mark.parametrize("kind,param", [("completion", "prompt"), ("chat", "messages")])
@@ -285,11 +320,29 @@ def test_serve_parser_uses_the_shared_model_options():
                          "--ctx-size", "1024", "--threads", "2", "--port", "9000", "--max-queue", "4"])
     assert (args.target, args.draft, args.num_speculative_tokens, args.backend, args.ctx_size, args.threads,
             args.port, args.max_queue, args.host) == (MODEL, "ngram", 3, "llama.cpp", 1024, 2, 9000, 4, "127.0.0.1")
+    assert (args.api_key, args.max_body_bytes) == (None, DEFAULT_MAX_BODY_BYTES) and DEFAULT_MAX_BODY_BYTES == 4 << 20
     assert args.func.__name__ == "cmd_serve"
+    args = p.parse_args(["serve", "--target", MODEL, "--api-key", "sk-1", "--max-body-bytes", "1000"])
+    assert (args.api_key, args.max_body_bytes) == ("sk-1", 1000)
+
+
+def test_api_key_from_the_option_or_the_environment(monkeypatch):
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers())
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key_from(p.parse_args(["serve", "--target", MODEL])) is None
+    assert api_key_from(p.parse_args(["serve", "--target", MODEL, "--api-key", "flag"])) == "flag"
+    monkeypatch.setenv(API_KEY_ENV, "env")
+    assert api_key_from(p.parse_args(["serve", "--target", MODEL])) == "env"
+    assert api_key_from(p.parse_args(["serve", "--target", MODEL, "--api-key", "flag"])) == "flag"  # the flag wins
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert api_key_from(p.parse_args(["serve", "--target", MODEL])) is None  # empty: unset
 
 
 @pytest.mark.parametrize("argv,param", [(["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue"),
-                                        (["-k", "33"], "--num-speculative-tokens")])
+                                        (["-k", "33"], "--num-speculative-tokens"),
+                                        (["--max-body-bytes", "0"], "--max-body-bytes"),
+                                        (["--api-key", ""], "--api-key")])
 def test_serve_refuses_bad_options_before_loading(argv, param):
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers())
@@ -297,3 +350,30 @@ def test_serve_refuses_bad_options_before_loading(argv, param):
     with pytest.raises(SpecDecodeError) as e:
         args.func(args)
     assert e.value.param == param
+
+
+def test_response_format_becomes_a_grammar():
+    from specdecode.grammar import Grammar
+
+    def parsed(rf):
+        return parse_request({"model": MODEL, "messages": CHAT, "response_format": rf}, "chat", MODEL, 4096)
+
+    assert "grammar" not in parsed({"type": "text"}).sampling
+    assert parsed({"type": "json_object"}).sampling["grammar"] == Grammar("json_object", name="response_format")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = parsed({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}).sampling["grammar"]
+    assert g.kind == "json_schema" and json.loads(g.source) == schema and g.name == "response_format"
+
+
+@pytest.mark.parametrize("rf, param", [
+    ({"type": "xml"}, "response_format"),
+    ({"type": "json_object", "extra": 1}, "response_format"),
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"schema": []}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "response_format.json_schema"),
+    ("json", "response_format"),
+])
+def test_bad_response_format(rf, param):
+    with pytest.raises(APIError) as e:
+        parse_request({"model": MODEL, "messages": CHAT, "response_format": rf}, "chat", MODEL, 4096)
+    assert (e.value.status, e.value.param) == (400, param)

@@ -20,6 +20,7 @@ from . import models
 from .drafters import NoDrafter
 from .engine import SpeculativeEngine
 from .errors import SpecDecodeError
+from .grammar import Grammar
 from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, check_num_speculative_tokens
 from .loading import load_backend, make_controller, make_drafter
 from .messages import check_messages
@@ -144,6 +145,7 @@ class Decoder:
         plain: bool = False,
         num_speculative_tokens: int | None = None,
         record_top2_gaps: bool = False,
+        grammar: Grammar | None = None,
         **sampling,
     ) -> Iterator[str | GenerationResult]:
         """Yield text deltas as tokens are committed and, last, the GenerationResult.
@@ -153,6 +155,9 @@ class Decoder:
         logprobs: N most likely tokens per emitted token. plain: decode without the
         drafter (the baseline). num_speculative_tokens: override K for this call.
         record_top2_gaps: record the target's top-2 logit gap per token (parity reports).
+        grammar: structured output, e.g. ``Grammar.json_schema({...})``, ``Grammar("regex",
+        "[0-9]+")``, ``Grammar("lark", ...)``, ``Grammar("json_object")``
+        (:mod:`specdecode.grammar`): the output matches it, as plain constrained decoding.
         sampling: the fields of :class:`SamplingParams` (temperature, top_p, top_k, min_p,
         repetition_penalty, frequency_penalty, presence_penalty, seed); temperature 0
         (default) is greedy; they shape target and draft distributions alike.
@@ -163,7 +168,7 @@ class Decoder:
         ids = self.prompt_ids(prompt, messages)
         return self.engine.stream(
             ids, sampling=params, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
-            record_top2_gaps=record_top2_gaps,
+            record_top2_gaps=record_top2_gaps, grammar=grammar,
             drafter=self._plain if plain else None,
             num_speculative_tokens=0 if plain else num_speculative_tokens,
         )

@@ -16,6 +16,7 @@ from typing import Sequence
 from . import __version__, models
 from .bench.cli import add_bench_parser
 from .errors import SpecDecodeError
+from .grammar import Grammar
 from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs
 from .messages import check_messages
 from .options import add_model_options, add_sampling_options, check_model_args, sampling_from_args, sampling_kwargs
@@ -115,6 +116,18 @@ def prompt_from_args(args: argparse.Namespace) -> tuple[str | None, list[dict] |
     return None, messages
 
 
+def grammar_from_args(args: argparse.Namespace) -> Grammar | None:
+    """--json-schema FILE, --regex TEXT or --grammar FILE (Lark) as a Grammar, or None.
+    Raises SpecDecodeError naming the option when a file cannot be read or is not JSON."""
+    if args.json_schema is not None:
+        return Grammar.json_schema(read_input(args.json_schema, "--json-schema"), name="--json-schema")
+    if args.regex is not None:
+        return Grammar("regex", args.regex, name="--regex")
+    if args.grammar is not None:
+        return Grammar("lark", read_input(args.grammar, "--grammar"), name="--grammar")
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .options import decoder_from_args
     from .output import GenerationResult
@@ -127,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_model_args(args)
     prompt, messages = prompt_from_args(args)
     gen_kwargs = dict(messages=messages, max_tokens=args.max_tokens, stop=args.stop or None, logprobs=args.logprobs,
-                      **sampling_kwargs(args))
+                      grammar=grammar_from_args(args), **sampling_kwargs(args))
     label = f"speculative (draft {args.draft}, K={args.num_speculative_tokens})"
 
     with decoder_from_args(args, progress=not args.quiet) as dec:
@@ -199,6 +212,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="exact cap on generated tokens (default: %(default)s)")
     add_sampling_options(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    structured = g.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE|-", help="the output is JSON matching this JSON schema")
+    structured.add_argument("--regex", metavar="REGEX", help="the output matches this regular expression")
+    structured.add_argument("--grammar", metavar="FILE|-", help="the output matches this Lark grammar (llguidance's "
+                                                              "dialect)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help=f"record the N (0..{MAX_LOGPROBS}) most likely tokens per emitted token (target's raw "
                         "distribution)")

@@ -31,12 +31,13 @@ import numpy as np
 from .backends.base import Backend, common_prefix_len
 from .drafters import Draft, Drafter
 from .errors import ContextOverflowError, SpecDecodeError
+from .grammar import Grammar, GrammarConstraint
 from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens
-from .output import GenerationResult, OutputAccumulator, TokenLogprob
+from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob
 from .sampling import Sampler, SamplingParams
 from .verify import VerifyResult, committed_tokens, verify_greedy, verify_speculative_sampling
 
-__all__ = ["SpeculativeEngine", "GenerationResult", "TokenLogprob"]
+__all__ = ["SpeculativeEngine", "GenerationResult", "TextDelta", "TokenLogprob"]
 
 
 @dataclass
@@ -75,8 +76,13 @@ class SpeculativeEngine:
         record_top2_gaps: bool = False,
         drafter: Drafter | None = None,
         num_speculative_tokens: int | None = None,
-    ) -> Iterator[str | GenerationResult]:
-        """Generate; yields text deltas (str) as tokens are committed, then the GenerationResult.
+        grammar: Grammar | None = None,
+    ) -> Iterator[TextDelta | GenerationResult]:
+        """Generate; yields text deltas as tokens are committed, then the GenerationResult.
+
+        Each delta is a :class:`specdecode.output.TextDelta`: a str that also carries the
+        tokens it completes (token_ids, logprobs); one may be empty text that only
+        completes tokens.
 
         prompt_ids: [L] prompt tokens (at least one; BOS included if the model wants it).
         max_tokens: cap on emitted tokens (>= 1). stop: strings that end the output.
@@ -84,6 +90,8 @@ class SpeculativeEngine:
         record_top2_gaps: record the target's top-2 logit gap at each emitted token.
         drafter, num_speculative_tokens: override the engine's for this call (e.g. a
             NoDrafter for the plain baseline on the same loaded target).
+        grammar: structured output (:mod:`specdecode.grammar`): the output matches it, and is
+            what plain decoding under the same grammar would give.
 
         Raises SpecDecodeError for bad options, ContextOverflowError when the prompt does
         not fit in the context.
@@ -91,7 +99,7 @@ class SpeculativeEngine:
         K = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         self._check(prompt_ids, K, max_tokens, stop, logprobs)
         started = time.perf_counter()
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None)
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, max_tokens, stop,
                                 logprobs, record_top2_gaps, started)
         gen = _Generation(list(prompt_ids), drafter or self.drafter, sampler, out)
@@ -106,7 +114,7 @@ class SpeculativeEngine:
                 if room < 0:
                     break
                 delta = self._step(gen, min(K, out.remaining - 1, room))
-                if delta:
+                if delta or delta.token_ids:
                     yield delta
         finally:
             # Nothing after the stop point stays in a cache: keep exactly the emitted text's prefix.
@@ -117,17 +125,19 @@ class SpeculativeEngine:
             gen.drafter.finish(gen.committed[:final_len])
         tail = out.end("length")
         out.stats.controller_note = gen.drafter.explain()
-        if tail:
+        if tail or tail.token_ids:
             yield tail
         yield out.result()
 
-    def _step(self, gen: _Generation, k: int) -> str:
+    def _step(self, gen: _Generation, k: int) -> TextDelta:
         """Draft up to k tokens, verify them in one target forward, commit what is accepted
         plus the target's own token; returns the text delta to stream."""
         target, committed, stats = self.target, gen.committed, gen.out.stats
         t0 = time.perf_counter()
         draft = gen.drafter.propose(committed, k) if k > 0 else Draft([])
         draft_ids = draft.token_ids[:k]
+        if gen.sampler.constraint is not None:  # a token the grammar rejects could never be accepted
+            draft_ids = draft_ids[: gen.sampler.constraint.valid_prefix(draft_ids)]
         k = len(draft_ids)
         draft_probs = draft.probs[:k] if draft.probs is not None else None  # [k, V] or one-hot
         t1 = time.perf_counter()
@@ -140,6 +150,8 @@ class SpeculativeEngine:
         gen.drafter.observe_verification(k + 1, t2 - t1)
 
         new = gen.out.cut(committed_tokens(draft_ids, result))
+        if gen.sampler.constraint is not None:
+            gen.sampler.constraint.commit(new)
         committed.extend(new)
         target.rollback(len(committed) - 1)
         self._target_cached = committed[:-1]
@@ -153,6 +165,8 @@ class SpeculativeEngine:
         """The acceptance rule on the target's logits [k+1, V]: greedy match, or speculative
         sampling on the sampler-shaped target distributions."""
         sampler, k = gen.sampler, len(draft_ids)
+        if sampler.constraint is not None:  # position i: the grammar state after drafts[:i]
+            logits = np.stack([sampler.constrain(logits[i], draft_ids[:i]) for i in range(k + 1)])
         # Position i is scored after the committed tokens and drafts[:i] (penalties only).
         if sampler.params.has_penalties:
             hist = lambda i: gen.committed + draft_ids[:i]  # noqa: E731

@@ -21,6 +21,12 @@ AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
 COST_CURVE_NS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
 # logprobs: the most likely tokens reported per emitted token (OpenAI's limit).
 MAX_LOGPROBS = 20
+# n, choices per server request. The engine serves one sequence at a time, so a request's
+# choices run one after another and hold the worker n times as long as one choice would,
+# while every request queued behind it waits. 8 covers what n is used for (a handful of
+# samples to pick from or vote over) and keeps that wait within an order of magnitude of
+# a plain request; the server also caps n * max_tokens at the context size.
+MAX_N = 8
 
 BACKENDS = ("auto", "llama.cpp", "torch")
 DTYPES = ("float32", "bfloat16", "float16")

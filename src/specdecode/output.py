@@ -6,6 +6,10 @@ the cut at the first end-of-generation token and at max_tokens, the stop strings
 logprobs and top-2 gaps per emitted token, and the statistics. The engine's step only
 drafts, verifies and commits; it hands each step's tokens here.
 
+Each text delta is a :class:`TextDelta`: a str that also names the emitted tokens it
+completes (their ids and, when asked for, their logprobs), so that a stream can report
+each token's logprob with the text that carries it.
+
 Dimension letters: K = drafted tokens this step, V = vocabulary size.
 """
 
@@ -70,10 +74,47 @@ class GenerationResult:
         return d
 
 
+class TextDelta(str):
+    """A streamed piece of text (a str, so it can be used as one) and the tokens it completes.
+
+    token_ids: the emitted tokens first reported with this delta: those whose bytes now
+        lie wholly inside the text streamed so far (and start before its end), in order.
+        The last delta of a generation reports every kept token not reported before (a
+        token that straddles a stop string included); tokens cut by a stop string are
+        never reported. Over a generation the deltas' token_ids concatenate to the
+        result's token_ids, as their texts concatenate to its text.
+    logprobs: the TokenLogprob entries of those tokens (same order), or None when the
+        generation does not record logprobs.
+
+    A delta may be empty text that still completes tokens (e.g. a token whose bytes end
+    exactly where a stop string begins). Operations on it (``+``, slicing) give plain str.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+    def __new__(cls, text: str = "", token_ids: Sequence[int] = (),
+                logprobs: list[TokenLogprob] | None = None) -> "TextDelta":
+        self = super().__new__(cls, text)
+        self.token_ids = list(token_ids)
+        self.logprobs = logprobs
+        return self
+
+    def __repr__(self) -> str:
+        return f"TextDelta({str.__repr__(self)}, token_ids={self.token_ids!r})"
+
+
 def top2_gap(row: np.ndarray) -> float:
     """Gap between the two largest entries of row [V] (a near-tie when small)."""
     two = np.partition(row, row.shape[-1] - 2)[-2:]
     return float(abs(two[1] - two[0]))
+
+
+def _streamed_bytes(text: TextAssembler) -> int:
+    """Bytes of the generated text the assembler has streamed so far. (Read from its
+    private offset: the decoded deltas do not give it back when a token's bytes are not
+    valid UTF-8.)"""
+    return text._emitted
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:
@@ -107,6 +148,8 @@ class OutputAccumulator:
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.gaps: list[float] | None = [] if record_top2_gaps else None
         self._draft_pos: list[int] = []  # per emitted token: its draft position, -1 for the target's own
+        self._token_ends: list[int] = []  # per emitted token: byte offset where its bytes end
+        self._reported = 0  # emitted tokens already reported by a TextDelta
         self._text = TextAssembler(stop)
         self.finish_reason: str | None = None  # set once the generation has ended
 
@@ -127,15 +170,21 @@ class OutputAccumulator:
                 break
         return new[: self.remaining]
 
-    def add(self, new: list[int], num_accepted: int, k: int, logits: np.ndarray) -> str:
+    def add(self, new: list[int], num_accepted: int, k: int, logits: np.ndarray) -> TextDelta:
         """Record one step that drafted k tokens and committed new (its first num_accepted
         accepted drafts, then the target's own); logits: [k+1, V] the target's raw logits
-        at the step's positions. Returns the text delta that is safe to stream ("" if none)."""
+        at the step's positions. Returns the text delta that is safe to stream ("" if
+        none), with the tokens it completes (see :class:`TextDelta`)."""
         n_acc = min(num_accepted, len(new))
         self.stats.record_step(k, n_acc)
-        delta, stopped = self._text.add([self.token_bytes(t) for t in new])
+        pieces = [self.token_bytes(t) for t in new]
+        delta, stopped = self._text.add(pieces)
         if new and not self.emitted:
             self.stats.first_token_s = time.perf_counter() - self.started
+        end = self._token_ends[-1] if self._token_ends else 0
+        for piece in pieces:
+            end += len(piece)
+            self._token_ends.append(end)
         self.emitted.extend(new)
         self._draft_pos.extend(j if j < n_acc else -1 for j in range(len(new)))
         for j, tok in enumerate(new):
@@ -149,7 +198,7 @@ class OutputAccumulator:
             # back in an earlier step.
             n_keep = self._text.num_tokens
             self.stats.retract_accepted(p for p in self._draft_pos[n_keep:] if p >= 0)
-            for kept in (self.emitted, self._draft_pos, self.gaps, self.logprobs):
+            for kept in (self.emitted, self._draft_pos, self._token_ends, self.gaps, self.logprobs):
                 if kept is not None:
                     del kept[n_keep:]
             self.finish_reason = "stop"
@@ -158,16 +207,37 @@ class OutputAccumulator:
             self.finish_reason = "length"
         self.stats.completion_tokens = len(self.emitted)
         self.stats.decode_s = time.perf_counter() - self.decode_started
-        return delta
+        # After a stop the text is final: every kept token is reported with this delta.
+        return self._delta(delta, final=stopped)
 
-    def end(self, finish_reason: str = "length") -> str:
+    def end(self, finish_reason: str = "length") -> TextDelta:
         """The generation ends (sets finish_reason if no stop came first); returns the
-        held-back tail of the text ("" if none)."""
+        held-back tail of the text ("" if none) with every token not reported before."""
         if self.finish_reason is None:
             self.finish_reason = finish_reason
         self.stats.completion_tokens = len(self.emitted)
         self.stats.decode_s = time.perf_counter() - self.decode_started
-        return self._text.finish()
+        return self._delta(self._text.finish(), final=True)
+
+    def _delta(self, text: str, final: bool) -> TextDelta:
+        """text with the tokens it completes: those not reported yet whose bytes end within
+        the bytes streamed so far and start before their end (a token of no bytes at the
+        streamed end waits: a stop string found there later would drop it); all of the
+        rest when ``final``."""
+        n = len(self.emitted)
+        if final:
+            upto = n
+        else:
+            streamed = _streamed_bytes(self._text)
+            upto = self._reported
+            while upto < n and self._token_ends[upto] <= streamed and self._token_start(upto) < streamed:
+                upto += 1
+        lo, self._reported = self._reported, max(self._reported, upto)
+        return TextDelta(text, self.emitted[lo:upto],
+                         self.logprobs[lo:upto] if self.logprobs is not None else None)
+
+    def _token_start(self, i: int) -> int:
+        return self._token_ends[i - 1] if i > 0 else 0
 
     def result(self) -> GenerationResult:
         """The GenerationResult (after :meth:`end`)."""

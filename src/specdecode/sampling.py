@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import SpecDecodeError
+from .grammar import GrammarConstraint, apply_mask
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,24 @@ class Sampler:
 
     One Sampler serves one generation: the target's verification and the drafter's
     sampling draw from the same generator in a fixed order, so the same seed gives the
-    same output.
+    same output. constraint: the generation's grammar (structured output), or None; its
+    mask comes before every other transform, for target and draft alike.
     """
 
     params: SamplingParams
+    constraint: "GrammarConstraint | None" = None
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.params.seed)
+
+    def constrain(self, logits: np.ndarray, pending: Sequence[int] = ()) -> np.ndarray:
+        """The grammar mask (structured output), applied first: logits [V] at the position
+        after the committed tokens and ``pending`` drafts, disallowed tokens at -inf (a new
+        array; logits itself when there is no grammar)."""
+        if self.constraint is None:
+            return logits
+        return apply_mask(logits, self.constraint.mask(pending))
 
     def penalize(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """Apply the history-dependent penalties.

@@ -3,6 +3,21 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health, GET /metrics (Prometheus text format).
 
+Who may call: with an API key (``--api-key KEY`` or the environment variable
+SPECDECODE_API_KEY, which keeps the key out of the process list; the option wins), every
+request under /v1 (indeed every path but /health and /metrics) must send
+``Authorization: Bearer KEY``; any other gets 401 (OpenAI's error body, code
+invalid_api_key, header WWW-Authenticate: Bearer) before its body is read, and nothing
+of it reaches the worker (counted as request_rejected_total{reason="unauthorized"}). The
+key is compared in constant time. /health and /metrics stay open, key or not: they tell
+load balancers and monitoring whether the server is up and how it performs, and give
+away no generated text. Without a key the server has no authentication (it warns when
+listening beyond loopback).
+
+Request bodies over ``max_body_bytes`` (default 4 MiB, ``--max-body-bytes``) get 413
+(code request_too_large) before they are parsed: from their Content-Length, or, sent
+chunked, as soon as what has arrived passes the limit.
+
 One loaded model pair serves every request. The engine is not thread-safe, so a single
 worker thread runs generations one at a time in arrival order; text deltas travel to the
 asyncio side through a per-request queue. Requests wait in a bounded queue
@@ -18,21 +33,51 @@ Request fields honoured (a field whose value is null counts as absent):
     semantics: over the last 64 tokens, prompt included, as llama.cpp's repeat_last_n),
     seed, stop (string or list), stream, stream_options.include_usage, logprobs
     (completions: integer 0..MAX_LOGPROBS; chat: boolean with top_logprobs
-    0..MAX_LOGPROBS; see :mod:`specdecode.limits`), n (only 1).
+    0..MAX_LOGPROBS; see :mod:`specdecode.limits`), n (1..MAX_N = 8), response_format
+    ({"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}: structured output, enforced by the grammar mask at every
+    verified position, see :mod:`specdecode.grammar`; a schema that cannot be compiled
+    answers 400 naming response_format).
 Accepted and ignored: user. Accepted only at their default (no effect): echo = false,
-best_of = 1, logit_bias = {}, response_format = {"type": "text"}, tools = [].
+best_of = 1, logit_bias = {}, tools = [].
 Any other field answers 400 naming it.
 
-Defaults: max_tokens 16 for completions (as OpenAI), the rest of the context for chat.
-prompt tokens + max_tokens must fit in the context (400 otherwise, code
-context_length_exceeded).
+Defaults: temperature 1 (as OpenAI; the CLI and the Python API default to greedy, so
+send temperature 0 for greedy output), max_tokens 16 for completions (as OpenAI), the
+rest of the context for chat; with n > 1 the default max_tokens is also at most
+context size // n. prompt tokens + max_tokens must fit in the context (400 otherwise,
+code context_length_exceeded).
+
+n choices: each is its own sequence, generated one after another on the worker (the
+engine serves one sequence at a time), indexed 0..n-1. With a seed, choice i samples
+with seed + i (so a seeded request repeats choice by choice, and choice 0 is what the
+same request with n = 1 gives); without one, each choice draws its own seed. n *
+max_tokens must be at most the context size (400 naming n): one request may not hold
+the worker for more tokens than one full-context generation. usage counts the prompt
+once and sums the choices' completion tokens. A stream sends the choices in turn, every
+chunk naming its choice's ``index`` (chat: each choice opens with its role chunk); each
+choice ends with its finish_reason chunk, and the last one carries the usage.
 
 Every response carries ``speculation``: the generation's statistics
 (:meth:`specdecode.stats.Stats.to_dict`: drafted, accepted, acceptance_rate,
-mean_accepted_length, per-position counts, timings) plus the draft and K. In a stream it
-rides on the chunk with the finish_reason (and on the usage chunk when
-stream_options.include_usage is set); with logprobs, a stream sends all of them on that
-final chunk, because the engine streams text, not tokens.
+mean_accepted_length, per-position counts, timings) plus the draft and K. With n = 1 it
+is a top-level object; in a stream it rides on the chunk with the finish_reason (and on
+the usage chunk when stream_options.include_usage is set). With n > 1 there is no
+top-level ``speculation``: each choice carries its own as ``choices[i].speculation``
+(in a stream, on the choice's finish_reason chunk), since each choice is a separate
+generation with its own statistics.
+
+Logprobs in a stream ride on the chunk whose text completes their tokens (the engine's
+deltas name the tokens they complete, :class:`specdecode.output.TextDelta`): chat
+``{"content": [that chunk's tokens], "refusal": null}``; completions tokens,
+token_logprobs, top_logprobs and text_offset for that chunk's tokens, text_offset
+counting characters from the start of the choice's text across chunks. A chunk whose
+text completes no token (it streams the first bytes of a token whose rest is held back:
+part of a character, or text that could still begin a stop string) carries empty
+lists; a token whose bytes straddle a stop string is reported on the choice's last text
+chunk, which may then have empty text; tokens cut by a stop string are never reported. The finish_reason chunk carries
+logprobs null. The chunks' logprobs concatenate to the logprobs of the same request
+unstreamed.
 
 Modules, one job each: :mod:`.protocol` (request parsing and validation, pure),
 :mod:`.metrics` (Prometheus), :mod:`.worker` (the generation thread), :mod:`.app` (the

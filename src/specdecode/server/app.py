@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..errors import SpecDecodeError
 from .metrics import Metrics
-from .protocol import DEFAULT_MAX_QUEUE, APIError, GenRequest, json_repr, parse_json_body, parse_request
+from .protocol import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, APIError, GenRequest, json_repr, parse_json_body,
+                       parse_request)
 from .worker import Job, Worker
 
 if TYPE_CHECKING:
@@ -24,11 +27,50 @@ if TYPE_CHECKING:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    """e as a JSON response with its status (a 429 also says when to retry, in seconds)."""
+    """e as a JSON response with its status (a 429 also says when to retry, in seconds; a
+    401 names the scheme expected)."""
     from fastapi.responses import JSONResponse
 
-    headers = {"Retry-After": "1"} if e.status == 429 else None
+    headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+# Paths served without the API key: liveness and monitoring, no generated text.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class _APIKeyGuard:
+    """ASGI middleware: every HTTP request but those for OPEN_PATHS (so every /v1 request,
+    and any path that is no route) must carry ``Authorization: Bearer <key>``; any other
+    answers 401 (code invalid_api_key) before its body is read or anything reaches the
+    worker. The keys are compared in constant time (hmac.compare_digest), as SHA-256
+    digests, so that neither their content nor their length shows in the timing."""
+
+    def __init__(self, app: Any, api_key: str, on_reject: Callable[[], None]) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            error = self._check(dict(scope["headers"]).get(b"authorization"))
+            if error is not None:
+                self._on_reject()
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, header: bytes | None) -> APIError | None:
+        """None when header is "Bearer <the key>", else the 401 to answer."""
+        if header is None:
+            return APIError(401, "no API key given: send it in an Authorization header (Authorization: Bearer "
+                            "YOUR_KEY)", code="invalid_api_key")
+        scheme, _, given = header.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not given.strip():
+            return APIError(401, "the Authorization header must be 'Bearer YOUR_KEY'", code="invalid_api_key")
+        if not hmac.compare_digest(hashlib.sha256(given.strip()).digest(), self._digest):
+            return APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return None
 
 
 class _Disconnected(Exception):
@@ -52,8 +94,23 @@ async def _next_event(job: Job, disconnect: asyncio.Task) -> tuple[str, Any]:
     raise _Disconnected()
 
 
-async def _read_json(request: Request) -> Any:
-    return parse_json_body(await request.body())
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: a larger one is refused (413) from its
+    Content-Length before anything is read, or, sent without one (chunked), as soon as
+    what has arrived passes the limit. The rest of a refused body is never kept."""
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body has {size} bytes, more than this server reads ({limit} bytes, "
+                        "--max-body-bytes)", code="request_too_large")
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(length)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise too_large(f"over {limit}")
+    return bytes(body)
 
 
 def _sse(obj: dict | str) -> str:
@@ -61,10 +118,12 @@ def _sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def _usage(result: Any) -> dict:
-    s = result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens}
+def _usage(results: list) -> dict:
+    """The request's usage: the prompt once (every choice reads the same one, as OpenAI
+    counts it), completion tokens summed over the choices."""
+    prompt = results[0].stats.prompt_tokens
+    completion = sum(r.stats.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
@@ -72,16 +131,22 @@ def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
 
 
 def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               warmup: bool = False) -> FastAPI:
+               warmup: bool = False, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """Build the OpenAI-compatible app around a loaded :class:`specdecode.api.Decoder`.
 
     model_name: the id clients must send as ``model`` (default: decoder.target_name).
     max_queue: requests that may wait besides the running one (>= 1); more get 429.
     warmup: run one tiny generation on the worker thread at start-up, so that the first
         client does not pay llama.cpp's first-evaluation cost (seconds).
+    api_key: when given, every request (every /v1 one, and any other path but /health and
+        /metrics, which stay open) must send ``Authorization: Bearer <api_key>``, else 401.
+        None: no authentication.
+    max_body_bytes: the largest request body read (>= 1); a larger one gets 413.
     The app owns a worker thread (started and stopped with the app's lifespan) and its
     own Prometheus registry (``app.state.metrics.registry``); the decoder stays the
-    caller's to close. Raises SpecDecodeError (param "max_queue") for max_queue < 1.
+    caller's to close. Raises SpecDecodeError naming the argument for max_queue < 1,
+    max_body_bytes < 1 or an empty api_key.
     """
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -106,6 +171,11 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
 
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise SpecDecodeError(f"max_queue = {max_queue!r} is out of range: expected an integer >= 1", param="max_queue")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise SpecDecodeError(f"max_body_bytes = {max_body_bytes!r} is out of range: expected an integer >= 1",
+                              param="max_body_bytes")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise SpecDecodeError("api_key must be a non-empty string (or None for no authentication)", param="api_key")
     model_name = model_name or decoder.target_name
     worker = Worker(decoder, max_queue, lambda w: Metrics(w.queue_len, w.running), warmup=warmup)
     metrics = worker.metrics
@@ -124,6 +194,9 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.model_name = model_name
+    if api_key is not None:
+        app.add_middleware(_APIKeyGuard, api_key=api_key,
+                           on_reject=lambda: metrics.rejected.labels(reason="unauthorized").inc())
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -149,9 +222,11 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
     async def serve(request: Request, kind: str) -> Response:
         arrival = time.perf_counter()
         try:
-            req = parse_request(await _read_json(request), kind, model_name, worker.n_ctx)
+            body = parse_json_body(await _read_body(request, max_body_bytes))
+            req = parse_request(body, kind, model_name, worker.n_ctx)
         except APIError as e:
-            metrics.rejected.labels(reason="model_not_found" if e.status == 404 else "invalid_request").inc()
+            metrics.rejected.labels(reason={404: "model_not_found", 413: "too_large"}.get(e.status,
+                                                                                         "invalid_request")).inc()
             raise
         job = Job(req, asyncio.get_running_loop(), arrival)
         if not worker.submit(job):
@@ -162,7 +237,13 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
         try:
             # Streams wait for the first event too, so that errors found when the prompt
             # is tokenized still get a 4xx status rather than an error inside a 200 stream.
-            kind_, value = await _next_event(job, disconnect)
+            event = await _next_event(job, disconnect)
+            choices = []  # a full response waits for every choice
+            while not req.stream and event[0] == "choice":
+                choices.append(event[1])
+                if len(choices) == req.n:
+                    break
+                event = await _next_event(job, disconnect)
         except _Disconnected:
             worker.cancel(job)
             return Response(status_code=499)  # nobody reads it; the status shows in the access log
@@ -171,12 +252,11 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
             disconnect.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await disconnect
-        if kind_ == "error":
-            raise value
+        if event[0] == "error":
+            raise event[1]
         if not req.stream:
-            result, logprobs = value
-            return JSONResponse(_full_response(kind, model_name, result, logprobs, speculation(result)))
-        return _SSEResponse(_stream(kind, model_name, req, job, (kind_, value), speculation),
+            return JSONResponse(_full_response(kind, model_name, choices, speculation))
+        return _SSEResponse(_stream(kind, model_name, req, job, event, speculation),
                             on_close=lambda: worker.cancel(job))
 
     # Plain Starlette routes: the endpoints take the Request itself and parse the body by
@@ -213,56 +293,87 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
     return app
 
 
-def _full_response(kind: str, model_name: str, result: Any, logprobs: dict | None, spec: dict) -> dict:
+def _full_response(kind: str, model_name: str, choices: list[tuple[int, Any, dict | None]],
+                   speculation: Callable[[Any], dict]) -> dict:
+    """The whole response; choices: (index, GenerationResult, logprobs object) per choice.
+    One choice: ``speculation`` at the top; several: on each choice."""
+    items = []
+    for index, result, logprobs in choices:
+        if kind == "chat":
+            item = {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
+                    "finish_reason": result.finish_reason}
+        else:
+            item = {"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        if len(choices) > 1:
+            item["speculation"] = speculation(result)
+        items.append(item)
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                  "finish_reason": result.finish_reason}
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
-    return {**head, "created": int(time.time()), "model": model_name, "system_fingerprint": None,
-            "choices": [choice], "usage": _usage(result), "speculation": spec}
+    results = [result for _, result, _ in choices]
+    out = {**head, "created": int(time.time()), "model": model_name, "system_fingerprint": None,
+           "choices": items, "usage": _usage(results)}
+    if len(choices) == 1:
+        out["speculation"] = speculation(results[0])
+    return out
 
 
 async def _stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any],
                   speculation: Callable[[Any], dict]) -> AsyncIterator[str]:
+    """The SSE chunks of a stream, choice after choice (each opened, for chat, by its role
+    chunk and closed by its finish_reason chunk); then [DONE]."""
     chat = kind == "chat"
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model_name, "system_fingerprint": None}
 
-    def chunk(text: str | None, finish: str | None = None, logprobs: dict | None = None, role: bool = False) -> dict:
+    def chunk(index: int, text: str | None, finish: str | None = None, logprobs: dict | None = None,
+              role: bool = False) -> dict:
         if chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**head, "choices": [choice]}
 
-    if chat:
-        yield _sse(chunk("", role=True))
+    results: list = []
+    opened: set[int] = set()
     event = first
     while True:
         kind_, value = event
-        if kind_ == "delta":
-            yield _sse(chunk(value))
-        elif kind_ == "error":
+        if kind_ == "error":
             yield _sse(value.body())
             break
+        index = value[0]
+        if chat and index not in opened:
+            opened.add(index)
+            yield _sse(chunk(index, "", role=True))
+        if kind_ == "delta":
+            yield _sse(chunk(index, value[1], logprobs=value[2]))
         else:
-            result, logprobs = value
+            _, result, logprobs = value
+            results.append(result)
+            last = len(results) == req.n
             spec = speculation(result)
-            final = chunk(None if chat else "", finish=result.finish_reason, logprobs=logprobs)
-            final["usage"] = _usage(result)
-            final["speculation"] = spec
+            final = chunk(index, None if chat else "", finish=result.finish_reason, logprobs=logprobs)
+            if req.n > 1:
+                final["choices"][0]["speculation"] = spec
+            if last:
+                final["usage"] = _usage(results)
+                if req.n == 1:
+                    final["speculation"] = spec
             yield _sse(final)
-            if req.include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(result), "speculation": spec})
-            break
+            if last:
+                if req.include_usage:
+                    tail = {**head, "choices": [], "usage": _usage(results)}
+                    if req.n == 1:
+                        tail["speculation"] = spec
+                    yield _sse(tail)
+                break
         event = await job.events.get()
     yield _sse("[DONE]")

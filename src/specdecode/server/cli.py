@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..errors import SpecDecodeError
 from ..options import add_model_options, decoder_from_args
-from .protocol import DEFAULT_MAX_QUEUE
+from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# The environment variable that gives the API key when --api-key does not (so that the key
+# need not appear in the process list).
+API_KEY_ENV = "SPECDECODE_API_KEY"
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key if given (it wins), else $SPECDECODE_API_KEY if set and not
+    empty, else None (no authentication). Raises SpecDecodeError for an empty --api-key."""
+    if args.api_key is not None:
+        if not args.api_key:
+            raise SpecDecodeError("--api-key is empty: give the key, or leave the option out for no authentication",
+                                  param="--api-key")
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Handler of ``specdecode serve``: load the pair, then serve until interrupted.
 
     Returns the exit status (0). Raises SpecDecodeError naming the option for an
-    out-of-range --port or --max-queue, or any model option (before loading anything),
-    and for models that cannot be loaded.
+    out-of-range --port, --max-queue or --max-body-bytes, an empty --api-key, or any model
+    option (before loading anything), and for models that cannot be loaded.
     """
     import uvicorn
 
@@ -26,10 +41,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SpecDecodeError(f"--port {args.port} is out of range: expected 0..65535", param="--port")
     if args.max_queue < 1:
         raise SpecDecodeError(f"--max-queue {args.max_queue} is out of range: expected >= 1", param="--max-queue")
+    if args.max_body_bytes < 1:
+        raise SpecDecodeError(f"--max-body-bytes {args.max_body_bytes} is out of range: expected >= 1",
+                              param="--max-body-bytes")
+    api_key = api_key_from(args)
     if args.host not in LOOPBACK_HOSTS:
-        print(f"specdecode: warning: serving on {args.host}: the server has no authentication", flush=True)
+        if api_key is None:
+            print(f"specdecode: warning: serving on {args.host}: the server has no authentication (set --api-key or "
+                  f"{API_KEY_ENV})", flush=True)
+        else:
+            print(f"specdecode: serving on {args.host}: the API key protects /v1; /health and /metrics stay open",
+                  flush=True)
     with decoder_from_args(args, progress=True) as dec:
-        app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True)
+        app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True, api_key=api_key,
+                         max_body_bytes=args.max_body_bytes)
         print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}) "
               f"on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
@@ -40,7 +65,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """Register the ``serve`` subcommand (options and handler) on the CLI's subparsers.
 
     The model options are the shared ones (:func:`specdecode.options.add_model_options`);
-    serve adds --host, --port and --max-queue.
+    serve adds --host, --port, --max-queue, --api-key and --max-body-bytes.
     """
     s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                               description="Serve an OpenAI-compatible HTTP API (/v1/completions, "
@@ -51,5 +76,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait besides the running one; more get 429 (default: %(default)s)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every /v1 request (401 otherwise; /health and "
+                        f"/metrics stay open). Default: ${API_KEY_ENV} if set, else no authentication. The "
+                        f"environment variable keeps the key out of the process list")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="largest request body read, in bytes; a larger one gets 413 (default: %(default)s = 4 MiB)")
     s.set_defaults(func=cmd_serve)
     return s

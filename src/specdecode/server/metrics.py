@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 # Histogram buckets, in seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -15,8 +15,10 @@ class Metrics:
 
     Names follow vLLM's and llama.cpp server's style (``specdecode:...``). Counts cover
     requests that finished; a cancelled (client gone) request counts only in
-    request_aborted_total. queue_len, running: read at every scrape for the
-    num_requests_waiting / num_requests_running gauges.
+    request_aborted_total. request_rejected_total counts requests refused before any
+    generation, by reason: unauthorized (missing or wrong API key), too_large (body over
+    the limit), invalid_request, model_not_found, queue_full. queue_len, running: read at
+    every scrape for the num_requests_waiting / num_requests_running gauges.
     """
 
     def __init__(self, queue_len: Callable[[], int], running: Callable[[], int]) -> None:
@@ -33,8 +35,8 @@ class Metrics:
         self.drafted_per_pos = Counter(p + "num_draft_tokens_per_pos", "Drafted tokens by draft position (0-based).",
                                        ["position"], registry=r)
         self.target_passes = Counter(p + "num_target_forward_passes", "Target forward passes in decode.", registry=r)
-        self.success = Counter(p + "request_success", "Finished requests by finish reason.", ["finished_reason"],
-                               registry=r)
+        self.success = Counter(p + "request_success", "Finished requests by finish reason (a request with n choices "
+                               "counts once per choice).", ["finished_reason"], registry=r)
         self.aborted = Counter(p + "request_aborted", "Requests cancelled because the client disconnected.", registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused before generation, by reason.", ["reason"],
                                 registry=r)
@@ -52,27 +54,33 @@ class Metrics:
         Gauge(p + "num_requests_waiting", "Requests waiting in the queue.", registry=r).set_function(queue_len)
         Gauge(p + "num_requests_running", "Requests being generated (0 or 1).", registry=r).set_function(running)
 
-    def record(self, result: Any, arrival: float, first: float, end: float) -> None:
-        """Count one finished generation (a GenerationResult).
+    def record(self, results: Sequence[Any], arrival: float, first: float, end: float) -> None:
+        """Count one finished request: its choices' GenerationResults (n of them, generated
+        one after another).
 
-        arrival, first, end: time.perf_counter() seconds at the request's arrival, its
-        first token and its last token.
+        Per choice: the drafting counters, request_success (by the choice's finish reason:
+        a request with n choices counts n) and generation_tokens. Per request: prompt_tokens
+        (once, as the usage does), the time to first token, the time per output token over
+        all choices, and the end-to-end latency. arrival, first, end: time.perf_counter()
+        seconds at the request's arrival, its first token and its last token.
         """
-        s = result.stats
-        self.num_drafts.inc(sum(v for k, v in s.k_histogram.items() if int(k) > 0))
-        self.num_draft_tokens.inc(s.drafted)
-        self.num_accepted_tokens.inc(s.accepted)
-        for i, n in enumerate(s.accepted_per_position):
-            self.accepted_per_pos.labels(position=str(i)).inc(n)
-        for i, n in enumerate(s.drafted_per_position):
-            self.drafted_per_pos.labels(position=str(i)).inc(n)
-        self.target_passes.inc(s.target_forward_passes)
-        self.success.labels(finished_reason=result.finish_reason).inc()
-        self.prompt_tokens.inc(s.prompt_tokens)
-        self.generation_tokens.inc(s.completion_tokens)
+        for result in results:
+            s = result.stats
+            self.num_drafts.inc(sum(v for k, v in s.k_histogram.items() if int(k) > 0))
+            self.num_draft_tokens.inc(s.drafted)
+            self.num_accepted_tokens.inc(s.accepted)
+            for i, n in enumerate(s.accepted_per_position):
+                self.accepted_per_pos.labels(position=str(i)).inc(n)
+            for i, n in enumerate(s.drafted_per_position):
+                self.drafted_per_pos.labels(position=str(i)).inc(n)
+            self.target_passes.inc(s.target_forward_passes)
+            self.success.labels(finished_reason=result.finish_reason).inc()
+            self.generation_tokens.inc(s.completion_tokens)
+        self.prompt_tokens.inc(results[0].stats.prompt_tokens)
+        completion = sum(r.stats.completion_tokens for r in results)
         self.ttft.observe(first - arrival)
-        if s.completion_tokens > 1:
-            self.tpot.observe((end - first) / (s.completion_tokens - 1))
+        if completion > 1:
+            self.tpot.observe((end - first) / (completion - 1))
         self.e2e.observe(end - arrival)
 
     def render(self) -> bytes:

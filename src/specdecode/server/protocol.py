@@ -14,28 +14,35 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ContextOverflowError, SpecDecodeError
-from ..limits import check_logprobs
+from ..grammar import Grammar
+from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
 from ..sampling import SamplingParams
 
 # Requests that may wait besides the running one; more get 429.
 DEFAULT_MAX_QUEUE = 16
+# The largest request body read, in bytes (--max-body-bytes); a larger one gets 413. 4 MiB
+# holds any prompt that fits a context of tens of thousands of tokens, JSON included.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # max_tokens of a completion that gives none (OpenAI's default); chat defaults to the
 # rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # OpenAI's range for temperature; the engine itself accepts more (SamplingParams).
 MAX_TEMPERATURE = 2.0
+# temperature of a request that gives none: OpenAI's default. (The CLI and the Python API
+# keep greedy, temperature 0, as their documented default.)
+DEFAULT_TEMPERATURE = 1.0
 
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream",
-    "stream_options", "logprobs", "n", "user",
+    "stream_options", "logprobs", "n", "user", "response_format",
 })
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
 # Standard fields accepted only at the value that asks for nothing beyond what is served.
 _HARMLESS_DEFAULTS: dict[str, Any] = {
-    "echo": False, "best_of": 1, "logit_bias": {}, "response_format": {"type": "text"}, "tools": [],
+    "echo": False, "best_of": 1, "logit_bias": {}, "tools": [],
 }
 _FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                           "frequency_penalty")
@@ -79,10 +86,11 @@ class GenRequest:
     """A validated generation request.
 
     kind: "completion" or "chat". prompt / messages: exactly one is set.
-    max_tokens: in tokens; None means the endpoint's default (see
+    max_tokens: in tokens, per choice; None means the endpoint's default (see
     :func:`resolve_max_tokens`). sampling: keyword arguments of :meth:`Decoder.stream`
-    other than the prompt and max_tokens. logprobs: None, or how many most likely
-    tokens to report per emitted token.
+    other than the prompt and max_tokens (temperature always set). logprobs: None, or how
+    many most likely tokens to report per emitted token. n: choices, 1..MAX_N, each its
+    own sequence (see :meth:`choice_sampling`).
     """
 
     kind: str
@@ -93,6 +101,16 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
+    n: int = 1
+
+    def choice_sampling(self, i: int) -> dict:
+        """The sampling options of choice i: with a seed, choice i draws from seed + i
+        (modulo 2**64, the seed's range), so that a seeded request repeats choice by choice;
+        without one, each choice draws its own seed from the OS."""
+        seed = self.sampling.get("seed")
+        if seed is None or i == 0:
+            return self.sampling
+        return {**self.sampling, "seed": (seed + i) % 2**64}
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -197,6 +215,33 @@ def _check_logprobs(value: int | None, name: str) -> int | None:
         raise from_specdecode_error(e, name) from None
 
 
+def parse_response_format(value: Any) -> Grammar | None:
+    """OpenAI's response_format as a Grammar: {"type": "text"} (or absent) is None;
+    {"type": "json_object"} is any JSON object; {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}} is that schema, always enforced (strict or
+    not: the mask makes every output match). A schema llguidance cannot compile is found
+    when the request runs (400 naming response_format). Raises APIError (400)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) == {"type"}:
+        return Grammar("json_object", name="response_format")
+    if kind == "json_schema" and set(value) == {"type", "json_schema"}:
+        spec = value["json_schema"]
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) or \
+                not set(spec) <= {"name", "schema", "strict", "description"} or \
+                not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise APIError(400, "response_format.json_schema must be an object with name, schema (an object), "
+                           f"optional strict (boolean) and description; got {json_repr(spec)}",
+                           param="response_format.json_schema")
+        return Grammar.json_schema(spec.get("schema", {}), name="response_format")
+    raise APIError(400, f"response_format = {json_repr(value)} is not supported: expected {{\"type\": \"text\"}}, "
+                   '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": '
+                   "{...}}}", param="response_format")
+
+
 def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenRequest:
     """Validate a decoded JSON body for ``kind`` "completion" or "chat".
 
@@ -232,9 +277,7 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
             raise APIError(400, "messages is required", param="messages")
         messages = _parse_messages(body["messages"])
 
-    n = b.integer("n")
-    if n is not None and n != 1:
-        raise APIError(400, f"n = {n} is not supported: this server generates one choice per request (n = 1)", param="n")
+    n = b.integer("n", 1, MAX_N, " (choices run one after another on this server)") or 1
 
     why = " (the context size)"
     max_tokens = b.integer("max_tokens", 1, n_ctx, why)
@@ -244,12 +287,16 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
                        "give one of them", param="max_completion_tokens")
     if max_completion is not None:
         max_tokens = max_completion
+    if max_tokens is not None and n * max_tokens > n_ctx:
+        raise APIError(400, f"n = {n} choices of max_tokens = {max_tokens} ask for {n * max_tokens} tokens, more than "
+                       f"a request may (n * max_tokens <= {n_ctx}, the context size): lower n or max_tokens",
+                       param="n")
 
     temperature = b.number("temperature")
     if temperature is not None and not (0.0 <= temperature <= MAX_TEMPERATURE):
         raise APIError(400, f"temperature = {body['temperature']} is out of range: expected 0 <= temperature <= "
                        f"{MAX_TEMPERATURE:g} (0 = greedy)", param="temperature")
-    sampling: dict[str, Any] = {}
+    sampling: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE}
     for name in _FLOAT_SAMPLING_FIELDS:
         v = b.number(name)
         if v is not None:
@@ -293,16 +340,20 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
     if logprobs is not None:
         sampling["logprobs"] = logprobs
 
+    grammar = parse_response_format(body.get("response_format"))
+    if grammar is not None:
+        sampling["grammar"] = grammar
     b.string("user")
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling,
-                      stream=stream, include_usage=include_usage, logprobs=logprobs)
+                      stream=stream, include_usage=include_usage, logprobs=logprobs, n=n)
 
 
 def resolve_max_tokens(req: GenRequest, prompt_len: int, n_ctx: int) -> int:
     """The number of tokens to generate, once the prompt is tokenized.
 
     prompt_len, n_ctx: in tokens. Without max_tokens: DEFAULT_COMPLETION_MAX_TOKENS for a
-    completion, the rest of the context for chat (either capped by the room left).
+    completion, the rest of the context for chat (either capped by the room left, and by
+    n_ctx // n so that n * max_tokens stays within the context size).
     Raises APIError (400, code context_length_exceeded) when the prompt leaves no room,
     or when max_tokens does not fit after it (param "max_tokens").
     """
@@ -312,7 +363,8 @@ def resolve_max_tokens(req: GenRequest, prompt_len: int, n_ctx: int) -> int:
                        "shorter than the context to leave room for at least one new token",
                        param="prompt" if req.kind == "completion" else "messages", code="context_length_exceeded")
     if req.max_tokens is None:
-        return min(DEFAULT_COMPLETION_MAX_TOKENS, room) if req.kind == "completion" else room
+        default = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if req.kind == "completion" else room
+        return max(1, min(default, n_ctx // req.n))
     if req.max_tokens > room:
         raise APIError(400, f"the context holds {n_ctx} tokens, but {prompt_len + req.max_tokens} were asked "
                        f"for ({prompt_len} in the prompt, max_tokens = {req.max_tokens}): lower max_tokens to at "

@@ -26,9 +26,12 @@ class Job:
     """One request on its way through the worker.
 
     arrival: time.perf_counter() seconds when the request arrived. events: what the
-    worker posts, as (kind, value): ("delta", text) while streaming, then either
-    ("result", (GenerationResult, logprobs object or None)) or ("error", APIError).
-    cancelled: set when the client is gone or the server stops.
+    worker posts, as (kind, value), choice after choice (index 0..n-1): while streaming
+    ("delta", (index, text, logprobs object of the tokens the text completes, or None));
+    at the end of each choice ("choice", (index, GenerationResult, logprobs object or
+    None: a stream has sent them all with its deltas)); or, at any point, ("error",
+    APIError), after which nothing follows. cancelled: set when the client is gone or
+    the server stops.
     """
 
     req: GenRequest
@@ -147,25 +150,19 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         req, dec = job.req, self.decoder
-        start = time.perf_counter()
-        self.metrics.queue_time.observe(start - job.arrival)
-        gen = None
-        result = None
-        first = None
+        self.metrics.queue_time.observe(time.perf_counter() - job.arrival)
+        first: list[float] = []  # when the first choice's first step came back
+        results = []
         try:
             ids = dec.prompt_ids(req.prompt, req.messages)
             max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
-            gen = dec.stream(req.prompt, messages=req.messages, max_tokens=max_tokens, **req.sampling)
-            for item in gen:
-                if first is None:
-                    first = time.perf_counter()
-                if job.cancelled.is_set():
+            for i in range(req.n):
+                done = self._choice(job, i, max_tokens, first)
+                if done is None:
                     break
-                if isinstance(item, str):
-                    if req.stream:
-                        job.post("delta", item)
-                else:
-                    result = item
+                results.append(done)
+                if i < req.n - 1:
+                    job.post("choice", (i, *done))
         except SpecDecodeError as e:
             self.metrics.rejected.labels(reason="invalid_request").inc()
             # The fields were checked on arrival; what is left concerns the prompt itself.
@@ -179,35 +176,74 @@ class Worker:
             self.metrics.rejected.labels(reason="invalid_request").inc()
             job.post("error", e)
             return
-        finally:
-            if gen is not None:
-                gen.close()  # rolls the caches back when stopped early
         end = time.perf_counter()
-        if result is None:
+        if len(results) < req.n:
             self.metrics.aborted.inc()
             # Read only when someone still listens: a client whose stream outlives a shutdown.
             job.post("error", APIError(503, "the request was cancelled (client gone or server shutting down)",
                                        type="server_error"))
             return
-        logprobs = self._logprobs(req, result) if req.logprobs is not None else None
-        self.metrics.record(result, job.arrival, first if first is not None else end, end)
-        job.post("result", (result, logprobs))
+        # Counted before the last choice is posted: a client that reads the metrics once
+        # answered sees its request in them.
+        self.metrics.record([result for result, _ in results], job.arrival, first[0] if first else end, end)
+        job.post("choice", (req.n - 1, *results[-1]))
 
-    def _logprobs(self, req: GenRequest, result: Any) -> dict:
-        """The choice's logprobs object, in the endpoint's OpenAI shape (built here: the
-        backend is only touched from this thread)."""
-        entries = result.logprobs or []
-        if req.kind == "chat":
-            tb = self.decoder.target.token_bytes
+    def _choice(self, job: Job, index: int, max_tokens: int, first: list[float]) -> tuple[Any, dict | None] | None:
+        """Generate choice ``index`` of the job, posting its deltas (streams). Returns
+        (GenerationResult, logprobs object or None: a stream has sent them with its
+        deltas), or None when the job was cancelled. first: gets the time of the
+        request's first step."""
+        req = job.req
+        if job.cancelled.is_set():  # gone between two choices: start no other
+            return None
+        logprobs = _LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None else None
+        gen = self.decoder.stream(req.prompt, messages=req.messages, max_tokens=max_tokens,
+                                  **req.choice_sampling(index))
+        result = None
+        try:
+            for item in gen:
+                if not first:
+                    first.append(time.perf_counter())
+                if job.cancelled.is_set():
+                    return None
+                if isinstance(item, str):
+                    if req.stream:
+                        # The logprobs of the tokens this delta completes (a TextDelta's).
+                        lp = logprobs.format(getattr(item, "logprobs", None) or []) if logprobs is not None else None
+                        job.post("delta", (index, str(item), lp))
+                else:
+                    result = item
+        finally:
+            gen.close()  # rolls the caches back when stopped early
+        if result is None:
+            return None
+        # A stream has sent every logprob with its delta; a full response carries them all.
+        return result, None if logprobs is None or req.stream else logprobs.format(result.logprobs or [])
+
+
+class _LogprobsFormat:
+    """TokenLogprob entries in the endpoint's OpenAI shape (built on the worker thread: the
+    backend is only touched from it). Completions' text_offset counts characters from the
+    start of the choice's text and continues across the chunks of a stream."""
+
+    def __init__(self, kind: str, token_bytes: Callable[[int], bytes]) -> None:
+        self.kind = kind
+        self.token_bytes = token_bytes
+        self.offset = 0
+
+    def format(self, entries: list) -> dict:
+        """The logprobs object of these entries (the next ones of the choice)."""
+        if self.kind == "chat":
+            tb = self.token_bytes
             return {"content": [
                 {"token": lp.token, "logprob": lp.logprob, "bytes": list(tb(lp.token_id)),
                  "top_logprobs": [{"token": t, "logprob": v, "bytes": list(tb(i))} for i, t, v in lp.top_logprobs]}
                 for lp in entries
             ], "refusal": None}
-        offsets, pos = [], 0
+        offsets = []
         for lp in entries:
-            offsets.append(pos)
-            pos += len(lp.token)
+            offsets.append(self.offset)
+            self.offset += len(lp.token)
         return {
             "tokens": [lp.token for lp in entries],
             "token_logprobs": [lp.logprob for lp in entries],
