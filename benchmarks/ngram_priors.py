@@ -33,6 +33,7 @@ def held_out(rows, per_category_skip=3):
 def acceptance_table(examples):
     from specdecode.controller import MATCH_BANDS, match_band
     from specdecode.drafters import NgramDrafter
+    from specdecode.limits import AUTO_KMAX
 
     d = NgramDrafter()
     st = defaultdict(lambda: [0, 0, 0, 0])  # first tries, first accepted, further tries, further accepted
@@ -43,7 +44,7 @@ def acceptance_table(examples):
             m = d.lookup(ctx)
             if m.length == 0:
                 continue
-            prop = ctx[m.start: m.start + 8]
+            prop = ctx[m.start: m.start + AUTO_KMAX]
             n = 0
             while n < len(prop) and i + n < len(out) and prop[n] == out[i + n]:
                 n += 1
