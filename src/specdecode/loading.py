@@ -18,7 +18,7 @@ from .costmodel import cached_forward_curve, mark_stale
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from .errors import SpecDecodeError
 from .limits import AUTO_KMAX, BACKENDS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
-from .vocab import vocab_fingerprint
+from .vocab import fingerprint_serves
 
 NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context, negligible next to a forward
 
@@ -83,8 +83,10 @@ def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_thre
 
 def default_draft_serves(target: Backend) -> bool:
     """Whether the registry's default draft model shares the target's tokenizer, by
-    comparing the target's vocabulary fingerprint with the one the registry records."""
-    return vocab_fingerprint(target) == models.get_spec(models.DEFAULT_DRAFT).vocab_fingerprint
+    comparing the target's vocabulary fingerprint with the one the registry records; a
+    target that is that vocabulary plus padding (Qwen2.5 7B and up) is recognised too
+    (:func:`specdecode.vocab.fingerprint_serves`)."""
+    return fingerprint_serves(target, models.get_spec(models.DEFAULT_DRAFT).vocab_fingerprint)
 
 
 def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,

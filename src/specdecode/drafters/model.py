@@ -33,9 +33,19 @@ class ModelDrafter(DrafterBase):
     was drawn from. Needs a backend whose ``supports_output_subset()`` is true (the torch
     backend with a plain output head).
 
+    A draft vocabulary that differs from the target's by padding (:mod:`specdecode.vocab`:
+    Qwen2.5 0.5B's 151,936 ids under a 7B target's 152,064) drafts over the target's ids
+    (V = target.n_vocab): draft logits for ids the target lacks are masked out before the
+    argmax or the sampling, and ids the draft lacks get probability 0, so drafts are always
+    ids < V and probs [K, V] is exactly the distribution each draft was drawn from. The
+    whole-draft greedy path on the device is used only when it cannot return an id >= V.
+    While the context holds an id the draft model cannot read (a padding id the target
+    emitted), the drafter drafts nothing.
+
     Raises IncompatibleVocabularyError at construction when the vocabularies differ
-    (size, or the text of any token id), showing the first mismatches; SpecDecodeError
-    when vocab_subset is negative or the backend cannot restrict its output.
+    (:func:`specdecode.vocab.check_vocab_compatible`: the text of a shared id, sizes far
+    apart, or extra ids that are not padding), showing the first mismatches;
+    SpecDecodeError when vocab_subset is negative or the backend cannot restrict its output.
     """
 
     name = "model"
@@ -52,6 +62,12 @@ class ModelDrafter(DrafterBase):
         self.vocab_subset = vocab_subset
         if target is not None:
             check_vocab_compatible(backend, target)
+        # V: drafts and probs are over the target's ids (the draft's own when no target is given).
+        self.target_vocab = target.n_vocab if target is not None else backend.n_vocab
+        # The device's greedy draft takes the argmax over the draft's whole vocabulary: safe
+        # when that has no id >= V, or when an output subset (restricted to ids < V) is set.
+        self._greedy_on_device = backend.supports_greedy_draft and (
+            backend.n_vocab <= self.target_vocab or bool(vocab_subset))
         self._cached: list[int] = []
         self._sampler: Sampler | None = None
         # Set by the cost-aware controller to stop drafting when further tokens will not pay.
@@ -75,7 +91,8 @@ class ModelDrafter(DrafterBase):
             ids = set(range(min(self.vocab_subset, self.backend.n_vocab)))
             ids.update(int(t) for t in prompt_ids)
             ids.update(self.backend.eog_ids)
-            self.backend.set_output_subset(ids)
+            limit = min(self.backend.n_vocab, self.target_vocab)  # ids both models have
+            self.backend.set_output_subset([t for t in ids if t < limit])
 
     def pending(self, context: Sequence[int]) -> int:
         """Tokens of context this drafter would have to feed before drafting (not cached)."""
@@ -91,9 +108,11 @@ class ModelDrafter(DrafterBase):
         self.backend.rollback(keep)
         self._cached = list(context[:keep])
         assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
+        if self.target_vocab > self.backend.n_vocab and any(t >= self.backend.n_vocab for t in context[keep:]):
+            return Draft([])  # the context holds an id of the target's padding: the draft cannot read it
 
         if (sampler.params.greedy and not sampler.params.has_penalties and self.keep_drafting is None
-                and self.backend.supports_greedy_draft):
+                and sampler.constraint is None and self._greedy_on_device):
             # The whole greedy draft on the device (torch): one host sync, not one per token.
             drafts = self.backend.greedy_draft(context[keep:], k)
             self._cached.extend(list(context[keep:]) + drafts[:-1])
@@ -101,10 +120,11 @@ class ModelDrafter(DrafterBase):
         history = list(context) if sampler.params.has_penalties else []
         drafts: list[int] = []
         rows: list[np.ndarray] = []
-        logits = self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0]
+        logits = self._over_target_ids(self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0])
         self._cached.extend(context[keep:])
         p_cum = 1.0
         for i in range(k):
+            logits = sampler.constrain(logits, drafts)  # the grammar's state after drafts[:i]
             if sampler.params.greedy:
                 tok = sampler.argmax(logits, history)
                 if self.keep_drafting is not None:
@@ -118,13 +138,28 @@ class ModelDrafter(DrafterBase):
             drafts.append(tok)
             if sampler.params.has_penalties:
                 history.append(tok)
+            if tok in self.backend.eog_ids:  # nothing follows the end of generation
+                break
             if i + 1 < k and self.keep_drafting is not None and not self.keep_drafting(i + 1, p_cum):
                 break
             if i + 1 < k:
-                logits = self.backend.forward([tok], logits_for=[0])[0]
+                logits = self._over_target_ids(self.backend.forward([tok], logits_for=[0])[0])
                 self._cached.append(tok)
         probs = np.stack(rows) if rows else None
         return Draft(drafts, probs)
+
+    def _over_target_ids(self, logits: np.ndarray) -> np.ndarray:
+        """The draft's logits [V_draft] over the target's ids [V]: ids >= V are cut (masked
+        out: the draft never proposes an id the target lacks), ids the draft lacks get -inf
+        (probability 0: it can never propose them)."""
+        v, n = self.target_vocab, logits.shape[-1]
+        if n > v:
+            return logits[:v]
+        if n < v:
+            out = np.full(v, -np.inf, dtype=np.float32)
+            out[:n] = logits
+            return out
+        return logits
 
     def finish(self, committed: Sequence[int]) -> None:
         """End of a generation: drop cached tokens that are not part of the committed output."""
