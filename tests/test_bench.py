@@ -27,16 +27,48 @@ def test_builtin_suite_has_eight_prompts_per_category():
 
 
 def test_the_repeat_category_chains_requests():
-    """"repeat" (last in CATEGORIES) opens each chain with a novel request, later ones asking
-    for (nearly) the same output again in a new prompt; the first three are one chain."""
-    assert CATEGORIES[-1] == "repeat" and CATEGORIES[:-1] == ("code_editing", "extraction", "qa_passages",
-                                                               "translation", "math", "chat", "multi_turn")
+    """"repeat" (after the free-text categories) opens each chain with a novel request, later
+    ones asking for (nearly) the same output again in a new prompt; the first three are one chain."""
+    assert CATEGORIES == ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn",
+                          "repeat", "json_schema")
     rep = [p for p in load_prompts(None) if p.category == "repeat"]
     assert [p.id for p in rep] == [f"repeat-{i:02d}" for i in range(1, 9)]
     assert all(p.messages and 100 <= p.max_tokens <= 200 for p in rep)
     first3 = select_prompts(load_prompts(None), ["repeat"], per_category=3)
     user = [p.messages[-1]["content"] for p in first3]
     assert user[2] == user[0] and user[1].startswith(user[0]) and user[1] != user[0]
+
+
+def _schema_cannot_loop(schema: dict, where: str) -> None:
+    """Every object closed, every array capped, every free string capped: a small model
+    under the grammar cannot write on forever."""
+    t = schema.get("type")
+    if t == "object":
+        assert schema.get("additionalProperties") is False, where
+        assert set(schema.get("required", ())) == set(schema["properties"]), where
+        for k, sub in schema["properties"].items():
+            _schema_cannot_loop(sub, f"{where}.{k}")
+    elif t == "array":
+        assert isinstance(schema.get("maxItems"), int), where
+        _schema_cannot_loop(schema["items"], f"{where}[]")
+    elif t == "string":
+        assert {"maxLength", "enum", "pattern"} & set(schema), where
+
+
+def test_the_json_schema_category_holds_closed_bounded_schemas():
+    """Structured extraction as programs send it (response_format json_schema): chat
+    prompts, each with a schema that llguidance accepts and that bounds the output."""
+    import llguidance
+
+    js = [p for p in load_prompts(None) if p.category == "json_schema"]
+    assert [p.id for p in js] == [f"json_schema-{i:02d}" for i in range(1, 9)]
+    for p in js:
+        assert p.messages and p.grammar is not None and p.grammar.kind == "json_schema", p.id
+        assert 60 <= p.max_tokens <= 160, p.id
+        assert p.grammar.name.startswith("built-in suite, line ")
+        assert llguidance.LLMatcher.validate_grammar(p.grammar.llguidance_grammar()) == "", p.id
+        _schema_cannot_loop(json.loads(p.grammar.source), p.id)
+    assert all(p.grammar is None for p in load_prompts(None) if p.category != "json_schema")
 
 
 def _oracle_keys_are_sane(entry: dict, defined: bool) -> None:
@@ -82,6 +114,22 @@ def test_bad_prompt_files(tmp_path):
         load_prompts(f)
     with pytest.raises(SpecDecodeError, match="does not exist"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_prompt_files_may_carry_a_json_schema(tmp_path):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"],
+              "additionalProperties": False}
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"category": "json_schema", "prompt": "Name:", "json_schema": schema}) + "\n"
+                 + json.dumps({"category": "chat", "prompt": "hi"}) + "\n")
+    with_schema, plain = load_prompts(f)
+    assert with_schema.grammar.kind == "json_schema" and json.loads(with_schema.grammar.source) == schema
+    assert with_schema.grammar.name == f"{f}, line 1" and plain.grammar is None
+    for bad in ('"{}"', "[]", "true", "null"):  # a schema must be an object (not its JSON text)
+        f.write_text('{"category": "chat", "prompt": "hi"}\n'
+                     f'{{"category": "json_schema", "prompt": "x", "json_schema": {bad}}}\n')
+        with pytest.raises(SpecDecodeError, match=r"p\.jsonl, line 2: 'json_schema' must be a JSON schema object"):
+            load_prompts(f)
 
 
 def test_parse_config():
@@ -173,6 +221,56 @@ def test_run_bench_is_a_library_call(smollm_path, tmp_path):
         assert r["oracle_plain_time_s"] > 0 and 0 < r["oracle_time_s"] <= r["oracle_plain_time_s"] * (1 + 1e-9)
     assert res["meta"]["oracle_drafters"] == {"ngram": ["ngram"]}
     assert res["meta"]["cost_curve"]["ns"][0] == 1 and len(res["meta"]["cost_curve"]["seconds"]) > 1
+
+
+def test_run_bench_constrains_json_schema_prompts(smollm_path, tmp_path, monkeypatch):
+    """A json_schema prompt of the built-in suite: plain and speculative runs, warm-up
+    included, all get its grammar; finished outputs parse as JSON with the schema's keys;
+    parity holds; the peer runs the free prompt only."""
+    from importlib import resources
+
+    from specdecode.bench import runner
+    from specdecode.engine import SpeculativeEngine
+
+    suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
+    # The product schema: smollm2 closes it in about 90 tokens.
+    (entry,) = [json.loads(line) for line in suite.splitlines() if '"json_schema-02"' in line]
+    entry["max_tokens"] = 96
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(entry) + "\n" + json.dumps(
+        {"id": "raw-1", "category": "chat", "prompt": "The capital of France is", "max_tokens": 6}) + "\n")
+    seen = []  # (grammar, result) of every engine generation
+    generate = SpeculativeEngine.generate
+    def recording(self, ids, **kw):
+        seen.append((kw.get("grammar"), generate(self, ids, **kw)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", recording)
+    peer_runs = []
+
+    class FakePeer:  # stands in for llama-cpp-python: records which prompts it was given
+        def run(self, ids, max_tokens, assisted=False):
+            peer_runs.append(list(ids))
+            return max_tokens, 42.0
+
+    monkeypatch.setattr(runner, "start_peer", lambda *a: (FakePeer(), "fake peer", False))
+    res = run_bench(BenchConfig(target="smollm2-135m-instruct", prompts=prompts, configs=("ngram:3",),
+                                categories=("json_schema", "chat"), per_category=1, n_ctx=1024, progress=False))
+    g, free = res["rows"]
+    assert (g["id"], g["grammar"], free["grammar"]) == ("json_schema-02", True, False)
+    # Warm-up (first prompt) and the timed runs of the schema prompt: plain and ngram:3, constrained.
+    assert [x is not None for x, _ in seen] == [True, True, True, True, False, False]
+    finished = [r for x, r in seen[2:4] if r.finish_reason == "stop"]
+    assert finished, [r.text for _, r in seen[2:4]]
+    for r in finished:
+        assert set(json.loads(r.text)) == set(entry["json_schema"]["properties"])
+    assert seen[2][1].text == seen[3][1].text and g["parity"] == "exact"
+    assert res["summary"]["ngram:3"]["json_schema"]["parity"]["exact"] == 1
+    # The peer skips the prompt with a grammar, and the report says so.
+    assert len(peer_runs) == 1 and g["peer_tokens_per_s"] is None and free["peer_tokens_per_s"] == 42.0
+    assert res["meta"]["peer"] == ("fake peer; skipped on 1 of 2 prompts, those with a grammar "
+                                   "(peers cannot constrain output)")
+    assert "peer_prompt_lookup_tokens_per_s" not in res["summary"]["ngram:3"]["json_schema"]
 
 
 def test_the_torch_draft_is_found_through_draft_backends():

@@ -1,10 +1,11 @@
 """``specdecode bench``: speculative against plain decoding, side by side, per category.
 
 For every prompt (JSON Lines: ``category``, ``prompt`` or ``messages``, optional
-``max_tokens`` and ``id``), plain decoding and each configuration run back to back in
-one process on the same loaded target, with the same sampling settings and max_tokens,
-after a warm-up. Reported per category and overall: decode tokens/s (medians), speedup
-(ratio of medians), acceptance rate, mean accepted length, per-position acceptance,
+``max_tokens``, ``id`` and ``json_schema``, which constrains every generation of the
+prompt and makes the peers skip it), plain decoding and each configuration run back to
+back in one process on the same loaded target, with the same sampling settings and
+max_tokens, after a warm-up. Reported per category and overall: decode tokens/s
+(medians), speedup (ratio of medians), acceptance rate, mean accepted length, per-position acceptance,
 parity (exact / near-tie / divergent, from :func:`specdecode.parity.parity_report`), and
 the process's peak resident memory (MB). Peers: for a llama.cpp target, llama-cpp-python's
 own prompt-lookup decoding (``LlamaPromptLookupDecoding``) on the same GGUF; for a torch

@@ -44,7 +44,9 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
     """Per configuration, per category and "overall": median decode tokens/s (speculative,
     plain, peers), speedup, acceptance rate, mean accepted length, per-position acceptance,
     parity counts, and the oracle's speedup and the fraction of it reached (None where the
-    rows have no oracle times: sampling, draft models)."""
+    rows have no oracle times: sampling, draft models). A peer's ratio (vs_peer,
+    vs_peer_assisted) sets the rows that peer ran on against the same rows' speculative
+    rate."""
     cats = sorted({r["category"] for r in rows}, key=lambda c: (CATEGORIES + (c,)).index(c))
     out: dict = {}
     for cfg in configs:
@@ -77,10 +79,12 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
             for row_key, rate_key, ratio_key in (
                     ("peer_tokens_per_s", "peer_prompt_lookup_tokens_per_s", "vs_peer"),
                     ("peer_assisted_tokens_per_s", "peer_assisted_tokens_per_s", "vs_peer_assisted")):
-                peer = _median([r[row_key] for r in rs if r.get(row_key)])
+                # Over the rows the peer ran on (it skips prompts with a grammar, and may fail).
+                timed = [r for r in rs if r.get(row_key)]
+                peer = _median([r[row_key] for r in timed])
                 if peer:
                     entry[rate_key] = round(peer, 2)
-                    entry[ratio_key] = round(spec / peer, 3)
+                    entry[ratio_key] = round(_median([r["spec_tokens_per_s"] for r in timed]) / peer, 3)
             per[cat] = entry
         out[cfg] = per
     return out

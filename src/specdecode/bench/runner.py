@@ -4,7 +4,9 @@ For every prompt, plain decoding and each configuration run back to back in one 
 on the same loaded target, with the same sampling settings and max_tokens, after a
 warm-up; the peers (:mod:`.peers`) run on the same prompts. Prompts run in file order and
 each configuration keeps its engine (and so its drafter) from one prompt to the next, so
-a drafter that learns across requests has seen the earlier ones.
+a drafter that learns across requests has seen the earlier ones. A prompt with a grammar
+(its ``json_schema``) is constrained to it in every generation, plain and speculative
+alike; the peers cannot constrain their output, so they skip such prompts.
 
 When sampling is greedy, the oracle (:mod:`.oracle`) replays the plain outputs, in the
 same order, with the target's measured cost curve T(n) and the lookup drafters of each
@@ -24,6 +26,7 @@ from ..backends.base import Backend
 from ..costmodel import CostCurve, cached_forward_curve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
+from ..grammar import check_grammar
 from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX,
                       MAX_NUM_SPECULATIVE_TOKENS)
 from ..loading import make_controller, make_drafter
@@ -120,7 +123,8 @@ def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationR
          peer_rate: float | None, assisted_rate: float | None) -> dict:
     s = result.stats
     return {
-        "id": p.id, "category": p.category, "config": name,
+        "id": p.id, "category": p.category, "config": name, "grammar": p.grammar is not None,
+        "finish_reason": result.finish_reason,
         "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
         "spec_tokens_per_s": decode_rate(s.completion_tokens, s.first_token_s, s.prefill_s + s.decode_s),
         "plain_tokens_per_s": plain_rate,
@@ -158,8 +162,11 @@ def run_bench(config: BenchConfig) -> dict:
     and category, as :func:`specdecode.bench.report.summarize`; "rows": one dict per prompt
     and configuration}. Decode tokens/s is :func:`decode_rate` for every runner alike.
     Raises SpecDecodeError for bad prompt files, an empty selection, and models that cannot
-    load or do not share the target's vocabulary. A peer that fails is noted in
-    ``meta["peer"]``, not raised. Greedy runs also get the oracle (:mod:`.oracle`):
+    load or do not share the target's vocabulary, or grammars that do not compile (named by
+    file and line; all are compiled before anything is timed). Every generation of a prompt
+    with a grammar is constrained by it. A peer that fails is noted in ``meta["peer"]``, not
+    raised; so are the prompts the peers skip for their grammar (rows with ``grammar`` True
+    and peer rates None). Greedy runs also get the oracle (:mod:`.oracle`):
     per row oracle_time_s and oracle_plain_time_s, per summary entry oracle_speedup and
     oracle_fraction (None for a draft model's configurations and when sampling), and
     ``meta["cost_curve"]``, the target's T(n) it used.
@@ -189,27 +196,38 @@ def run_bench(config: BenchConfig) -> dict:
         def ids_of(p: BenchPrompt) -> list[int]:
             return dec.prompt_ids(p.prompt, p.messages)
 
+        # Compiled once here (vocabulary and schema), so that no timed run pays for it.
+        for g in dict.fromkeys(p.grammar for p in prompts if p.grammar is not None):
+            check_grammar(g, target)
         w = ids_of(prompts[0])
-        warm = plain_engine.generate(w, sampling=params, max_tokens=WARMUP_TOKENS)
+        warm = plain_engine.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
         for eng in engines.values():
-            eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS)
+            eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
         runs = [(w, warm.token_ids, [])]  # the oracle's drafters see the warm-up as the engines' did
 
         rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
-        peer, peer_note, assisted_peer = (start_peer(target, config.target, engines, config.n_ctx, w)
-                                          if config.peer else (None, None, False))
+        free = [p for p in prompts if p.grammar is None]  # the prompts a peer can run
+        peer, peer_note, assisted_peer = None, None, False
+        if config.peer and free:
+            peer, peer_note, assisted_peer = start_peer(target, config.target, engines, config.n_ctx,
+                                                        ids_of(free[0]))
+        if config.peer and len(free) < len(prompts):
+            skipped = (f"skipped on {len(prompts) - len(free)} of {len(prompts)} prompts, those with a grammar "
+                       "(peers cannot constrain output)")
+            peer_note = f"{peer_note}; {skipped}" if peer_note else f"peers {skipped}"
 
         rows = []
         bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=not config.progress,
                    file=sys.stderr, mininterval=5)
         for p in prompts:
             ids = ids_of(p)
-            plain = plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True)
+            plain = plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True,
+                                          grammar=p.grammar)
             bar.update(1)
             ps = plain.stats
             plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
             peer_rate = assisted_rate = None
-            if peer is not None:
+            if peer is not None and p.grammar is None:
                 try:
                     peer_rate = peer.run(ids, p.max_tokens)[1]
                     if assisted_peer:
@@ -218,7 +236,7 @@ def run_bench(config: BenchConfig) -> dict:
                     peer_note = f"{peer_note}; failed on {p.id}: {type(e).__name__}: {e}"
             runs.append((ids, plain.token_ids, []))
             for name, eng in engines.items():
-                r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens)
+                r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
                 bar.update(1)
                 rows.append(_row(p, name, r, plain, plain_rate, params.greedy, peer_rate, assisted_rate))
                 runs[-1][2].append(rows[-1])

@@ -10,30 +10,36 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import SpecDecodeError
+from ..grammar import Grammar
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 
 # The built-in suite's categories, in the order reports list them.
-CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat")
+CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat",
+              "json_schema")
 DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
     """One prompt: exactly one of ``prompt`` (raw text) or ``messages`` (chat) is set;
-    max_tokens is the completion cap in tokens."""
+    max_tokens is the completion cap in tokens; grammar, when set, constrains every
+    generation of the prompt (structured output, from the entry's ``json_schema``)."""
 
     id: str
     category: str
     prompt: str | None
     messages: list | None
     max_tokens: int
+    grammar: Grammar | None = None
 
 
 def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENCH_MAX_TOKENS) -> list[BenchPrompt]:
     """Read a JSON Lines prompt file (the built-in suite when path is None).
 
     Each line: ``category``, exactly one of ``prompt`` or ``messages``, optional
-    ``max_tokens`` (tokens; default_max_tokens otherwise) and ``id``.
+    ``max_tokens`` (tokens; default_max_tokens otherwise), ``id``, and ``json_schema`` (a
+    JSON schema object the output must match: :meth:`Grammar.json_schema`, named after the
+    file and line; compiled only when generating).
     Raises SpecDecodeError naming the file and line for malformed entries, and when the
     file is missing or holds no prompts.
     """
@@ -66,8 +72,14 @@ def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENC
         mt = obj.get("max_tokens", default_max_tokens)
         if not isinstance(mt, int) or mt < 1:
             raise SpecDecodeError(f"{where}, line {i}: max_tokens = {mt!r}, expected a positive integer")
+        grammar = None
+        if "json_schema" in obj:
+            if not isinstance(obj["json_schema"], dict):
+                raise SpecDecodeError(f"{where}, line {i}: 'json_schema' must be a JSON schema object, "
+                                      f"got {type(obj['json_schema']).__name__}")
+            grammar = Grammar.json_schema(obj["json_schema"], name=f"{where}, line {i}")
         out.append(BenchPrompt(str(obj.get("id", f"{obj['category']}-{i}")), obj["category"], obj.get("prompt"),
-                               obj.get("messages"), mt))
+                               obj.get("messages"), mt, grammar))
     if not out:
         raise SpecDecodeError(f"{where} holds no prompts")
     return out
