@@ -89,6 +89,30 @@ class Drafter(Protocol):
         to say): the statistics block shows it."""
 
 
+class ContextMemo:
+    """The last answer of a lookup, reused for the same context: the controller asks a
+    lookup drafter about a context (its plan), then to propose after it. The engine's
+    committed list only grows, so the same list object at the same length is the same text.
+
+    compute: context [L] -> answer.
+    """
+
+    def __init__(self, compute: Callable[[Sequence[int]], object]) -> None:
+        self._compute = compute
+        self._key: tuple | None = None  # (context object, its length)
+        self._value: object = None
+
+    def __call__(self, context: Sequence[int]):
+        key = self._key
+        if key is None or key[0] is not context or key[1] != len(context):
+            self._value = self._compute(context)
+            self._key = (context, len(context))
+        return self._value
+
+    def clear(self) -> None:
+        self._key, self._value = None, None
+
+
 class DrafterBase:
     """Defaults of the optional parts of the Drafter protocol: no state to free, nothing
     to catch up on, no models, token-by-token rules ignored."""

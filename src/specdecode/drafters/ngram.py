@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
-from .base import Draft, DrafterBase
+from .base import ContextMemo, Draft, DrafterBase
 
 
 class Match(NamedTuple):
@@ -53,11 +53,11 @@ class NgramDrafter(DrafterBase):
         self.min_ngram = min_ngram
         self.max_match = max_match
         self.last_match_len = 0  # match length behind the latest proposal (0: none)
-        self._memo: tuple | None = None  # (context object, its length, Match) of the last lookup
+        self._memo = ContextMemo(self._lookup)
 
     def start(self, prompt_ids: Sequence[int], sampler) -> None:
         self.last_match_len = 0
-        self._memo = None
+        self._memo.clear()
 
     def lookup(self, context: Sequence[int]) -> Match:
         """The best earlier occurrence of the context's suffix (see Match).
@@ -69,12 +69,7 @@ class NgramDrafter(DrafterBase):
         the last answer: the engine's committed list only grows, so the same object at the
         same length is the same text.
         """
-        memo = self._memo
-        if memo is not None and memo[0] is context and memo[1] == len(context):
-            return memo[2]
-        match = self._lookup(context)
-        self._memo = (context, len(context), match)
-        return match
+        return self._memo(context)
 
     def _lookup(self, context: Sequence[int]) -> Match:
         ctx = np.asarray(context, dtype=np.int64)  # [L]

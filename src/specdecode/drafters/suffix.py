@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
-from .base import Draft, DrafterBase
+from .base import ContextMemo, Draft, DrafterBase
 from .ngram import Match
 
 # An index key packs the last 3 tokens ending at a position, newest in the high bits:
@@ -142,7 +142,7 @@ class SuffixDrafter(DrafterBase):
         self._live_keys = np.zeros(1 << 12, dtype=np.int64)
         self._live_ctx: Sequence[int] | None = None
         self._live_len = 0
-        self._memo: tuple | None = None  # (context object, its length, _Plan)
+        self._memo = ContextMemo(self._compute)  # the last _Plan, per context
         self._support: np.ndarray | None = None  # history positions behind the last proposal
 
     # -- the Drafter protocol --------------------------------------------------------
@@ -232,7 +232,8 @@ class SuffixDrafter(DrafterBase):
     def _reset_live(self) -> None:
         self._buf[self._used:self._used + self._live_len] = -1
         self._live_ctx, self._live_len = None, 0
-        self._memo, self._support = None, None
+        self._memo.clear()
+        self._support = None
         self.last_match_len = 0
 
     def _sync(self, context: Sequence[int]) -> None:
@@ -287,12 +288,7 @@ class SuffixDrafter(DrafterBase):
     # -- lookup ----------------------------------------------------------------------
 
     def _plan(self, context: Sequence[int]) -> _Plan:
-        memo = self._memo
-        if memo is not None and memo[0] is context and memo[1] == len(context):
-            return memo[2]
-        plan = self._compute(context)
-        self._memo = (context, len(context), plan)
-        return plan
+        return self._memo(context)
 
     def _compute(self, context: Sequence[int]) -> _Plan:
         self._sync(context)
