@@ -49,7 +49,7 @@ class ScriptedBackend:
     """
 
     def __init__(self, pieces: Sequence[bytes], script: Sequence[int], n_prompt: int, eos: int = 0,
-                 n_ctx: int = 512, margin: float = 5.0):
+                 n_ctx: int = 512, margin: float = 5.0, n_seq: int = 1):
         self.name = "scripted"
         self.pieces = list(pieces)
         self.script = list(script)
@@ -57,13 +57,19 @@ class ScriptedBackend:
         self.eos = eos
         self._n_ctx = n_ctx
         self.margin = margin
-        self.cache: list[int] = []
-        self.forward_calls: list[int] = []  # tokens per forward call
+        self.caches: list[list[int]] = [[] for _ in range(n_seq)]
+        self.forward_calls: list[int] = []  # tokens per forward call (all sequences of a batch)
+        self.batch_sizes: list[int] = []  # sequences per forward call
 
     n_vocab = property(lambda self: len(self.pieces))
     n_ctx = property(lambda self: self._n_ctx)
-    kv_len = property(lambda self: len(self.cache))
+    n_seq = property(lambda self: len(self.caches))
+    cache = property(lambda self: self.caches[0])
+    kv_len = property(lambda self: len(self.caches[0]))
     eog_ids = property(lambda self: frozenset({self.eos}))
+
+    def seq_len(self, seq: int) -> int:
+        return len(self.caches[seq])
 
     def tokenize(self, text, add_special=True, parse_special=False):
         raise TypeError("scripted backend takes token ids directly")
@@ -81,12 +87,23 @@ class ScriptedBackend:
         i = position + 1 - self.n_prompt
         return self.script[i] if 0 <= i < len(self.script) else self.eos
 
-    def forward(self, token_ids, logits_for):
-        if self.kv_len + len(token_ids) > self._n_ctx:
-            raise ContextOverflowError("scripted context overflow")
-        self.forward_calls.append(len(token_ids))
-        start = len(self.cache)
-        self.cache.extend(int(t) for t in token_ids)
+    def forward(self, token_ids, logits_for, seq=0):
+        return self.forward_batch([(seq, token_ids, logits_for)])[0]
+
+    def forward_batch(self, items):
+        seqs = [seq for seq, _, _ in items]
+        assert len(set(seqs)) == len(seqs), "each sequence once per batch"
+        for seq, token_ids, _ in items:
+            if len(self.caches[seq]) + len(token_ids) > self._n_ctx:
+                raise ContextOverflowError("scripted context overflow")
+        self.forward_calls.append(sum(len(t) for _, t, _ in items))
+        self.batch_sizes.append(len(items))
+        return [self._forward(seq, token_ids, logits_for) for seq, token_ids, logits_for in items]
+
+    def _forward(self, seq, token_ids, logits_for):
+        cache = self.caches[seq]
+        start = len(cache)
+        cache.extend(int(t) for t in token_ids)
         rows = []
         for i in logits_for:
             row = np.zeros(self.n_vocab, dtype=np.float32)
@@ -94,9 +111,9 @@ class ScriptedBackend:
             rows.append(row)
         return np.stack(rows) if rows else np.zeros((0, self.n_vocab), dtype=np.float32)
 
-    def rollback(self, n: int) -> None:
-        assert 0 <= n <= len(self.cache)
-        del self.cache[n:]
+    def rollback(self, n: int, seq: int = 0) -> None:
+        assert 0 <= n <= len(self.caches[seq])
+        del self.caches[seq][n:]
 
     def close(self) -> None:
         pass

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.controller import AcceptanceEstimator, Source, SpeculationController
+from specdecode.controller import Source, SpeculationController
+from specdecode.estimators import AcceptanceEstimator
 from specdecode.costmodel import CostCurve, best_k, expected_tokens, expected_tokens_positional, fit_linear, step_rate
 from specdecode.drafters import Draft, DrafterBase, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine

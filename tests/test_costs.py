@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from specdecode import costmodel
-from specdecode.controller import AcceptanceEstimator, Source, SpeculationController
+from specdecode.controller import Source, SpeculationController
+from specdecode.estimators import AcceptanceEstimator
 from specdecode.costmodel import CostCurve, ObservedCurve, cached_forward_curve, mark_stale
 from specdecode.drafters import Draft, DrafterBase
 from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
@@ -101,6 +102,7 @@ class FakeTarget:
     device = "cpu"
     cost_key = ""
     n_vocab = 1000
+    n_seq = 1
 
 
 @pytest.fixture

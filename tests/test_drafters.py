@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.controller import MATCH_BANDS, Source, SpeculationController, match_band
+from specdecode.controller import Source, SpeculationController
+from specdecode.estimators import MATCH_BANDS, match_band
 from specdecode.costmodel import CostCurve
 from specdecode.drafters import NgramDrafter
 from specdecode.errors import SpecDecodeError

@@ -123,9 +123,10 @@ class TableTarget(CharBackend):
         super().__init__(PIECES, [], n_prompt=1, eos=0)
         self.table = table
 
-    def forward(self, token_ids, logits_for):
-        start = len(self.cache)
-        self.cache.extend(int(t) for t in token_ids)
+    def _forward(self, seq, token_ids, logits_for):
+        cache = self.caches[seq]
+        start = len(cache)
+        cache.extend(int(t) for t in token_ids)
         pos = [min(start + i, len(self.table) - 1) for i in logits_for]
         return self.table[pos].astype(np.float32)
 

@@ -206,8 +206,12 @@ class DeviceDraftBackend:
 
     n_vocab = property(lambda self: self._n)
     n_ctx = property(lambda self: 256)
+    n_seq = 1
     kv_len = property(lambda self: len(self.cache))
     eog_ids = property(lambda self: frozenset())
+
+    def seq_len(self, seq: int) -> int:
+        return len(self.cache)
 
     def token_text(self, i: int) -> bytes:
         return f"t{i}".encode() if i < self.n_real else f"[PAD{i}]".encode()
@@ -224,7 +228,7 @@ class DeviceDraftBackend:
         row[-1] = 9.0
         return row
 
-    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
+    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> np.ndarray:
         start = len(self.cache)
         self.cache.extend(int(t) for t in token_ids)
         return np.stack([self._row(self.cache[start + i]) for i in logits_for]) if logits_for else np.zeros((0, self._n))
@@ -238,7 +242,7 @@ class DeviceDraftBackend:
             out.append(int(np.argmax(self._row(out[-1]))))
         return out
 
-    def rollback(self, n: int) -> None:
+    def rollback(self, n: int, seq: int = 0) -> None:
         del self.cache[n:]
 
     def close(self) -> None:

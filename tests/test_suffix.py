@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specdecode import loading
-from specdecode.controller import Source, SpeculationController, match_band
+from specdecode.controller import Source, SpeculationController
+from specdecode.estimators import match_band
 from specdecode.costmodel import CostCurve
 from specdecode.drafters import NgramDrafter, NoDrafter, SuffixDrafter
 from specdecode.engine import SpeculativeEngine

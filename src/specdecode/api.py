@@ -18,13 +18,14 @@ from typing import Iterator, Sequence
 
 from . import models
 from .drafters import NoDrafter
-from .engine import SpeculativeEngine
+from .engine import Generation, SpeculativeEngine
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, check_num_speculative_tokens
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, check_num_speculative_tokens, \
+    check_parallel
 from .loading import load_backend, make_controller, make_drafter
 from .messages import check_messages
-from .output import GenerationResult
+from .output import GenerationResult, TextDelta
 from .parity import parity_report
 from .sampling import SamplingParams
 
@@ -46,6 +47,9 @@ class Decoder:
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
     draft_vocab: a torch draft model computes logits only for ids below this, the prompt's
         tokens and end-of-generation ids (0 = all; see ModelDrafter's vocab_subset).
+    parallel: slots for concurrent generations (continuous batching, llama.cpp backend):
+        :meth:`begin` / :meth:`step` / :meth:`end` run several at once in shared forwards;
+        :meth:`stream` runs one (1..MAX_PARALLEL; the torch backend serves 1).
 
     Raises SpecDecodeError (and subclasses: ModelFileError, IncompatibleVocabularyError)
     with a message naming the values.
@@ -64,6 +68,7 @@ class Decoder:
         dtype: str = DEFAULT_DTYPE,
         device: str = DEFAULT_DEVICE,
         draft_vocab: int = 0,
+        parallel: int = 1,
     ) -> None:
         self.target_name = target
         self.draft_name = draft
@@ -74,11 +79,12 @@ class Decoder:
         if draft_vocab and draft in ("ngram", "suffix", "none"):
             raise SpecDecodeError(f"draft_vocab = {draft_vocab} applies to a draft model; draft {draft!r} has none",
                                   param="draft_vocab")
+        parallel = check_parallel(parallel)
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
-                                   device=device, progress=progress)
+                                   device=device, progress=progress, n_seq=parallel)
         try:
             opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
-                        device=device, draft_vocab=draft_vocab)
+                        device=device, draft_vocab=draft_vocab, n_seq=parallel)
             if k == "auto":
                 self.drafter = make_controller(draft, self.target, kmax=AUTO_KMAX, **opts)
                 k = AUTO_KMAX
@@ -87,7 +93,7 @@ class Decoder:
                 self.drafter = make_controller(draft, self.target, kmax=k, **opts) if k else NoDrafter()
             else:
                 self.drafter = make_drafter(draft, self.target, **opts)
-            self.engine = SpeculativeEngine(self.target, self.drafter, k)
+            self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel)
         except BaseException:
             self.target.close()
             raise
@@ -163,11 +169,39 @@ class Decoder:
         (default) is greedy; they shape target and draft distributions alike.
         Raises SpecDecodeError (with the values) for bad options or prompts that do not fit.
         """
+        ids, kwargs = self._request(prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
+                                    record_top2_gaps, grammar, sampling)
+        return self.engine.stream(ids, **kwargs)
+
+    def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+              max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
+              logprobs: int | None = None, plain: bool = False, num_speculative_tokens: int | None = None,
+              record_top2_gaps: bool = False, grammar: Grammar | None = None, **sampling) -> Generation:
+        """Start a generation in a free slot (options as :meth:`stream`) for batched
+        stepping: ``deltas = decoder.step([g1, g2, ...])`` advances every running
+        generation by one shared forward; when ``g.done``, ``decoder.end(g)`` returns its
+        last delta (if any) and its GenerationResult and frees the slot.
+        Raises SpecDecodeError for bad options, a prompt that does not fit, or no free slot.
+        """
+        ids, kwargs = self._request(prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
+                                    record_top2_gaps, grammar, sampling)
+        return self.engine.begin(ids, **kwargs)
+
+    def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
+        """One batched step of the running generations (see :meth:`begin`); their deltas."""
+        return self.engine.step(gens)
+
+    def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
+        """Finish a generation (done or abandoned) and free its slot: [last delta,] result."""
+        return self.engine.end(gen)
+
+    def _request(self, prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
+                 record_top2_gaps, grammar, sampling) -> tuple[list[int], dict]:
         params = sampling_params(**sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self.prompt_ids(prompt, messages)
-        return self.engine.stream(
-            ids, sampling=params, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
+        return ids, dict(
+            sampling=params, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
             record_top2_gaps=record_top2_gaps, grammar=grammar,
             drafter=self._plain if plain else None,
             num_speculative_tokens=0 if plain else num_speculative_tokens,

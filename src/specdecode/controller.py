@@ -10,6 +10,14 @@ llama.cpp's --draft-p-min does, but with the threshold derived from the costs).
 
 The controller is itself a drafter (same protocol), so the engine is unchanged: the
 engine's K is the cap, the controller's proposal length is the K chosen.
+
+In a batched step (continuous batching) the forward is shared: with B tokens already in
+it from the other generations (expected to commit E_B, after D_B seconds of drafting),
+this generation's K maximizes the step's whole rate,
+(E_B - 1 + E(alpha, K)) / (D_B + K * T_draft + T_target(B + K)), so that drafts which do
+not pay at a busy moment are not made; alone (B = 1, E_B = 1, D_B = 0) this is Eq. 1's
+rule above. Acceptance estimates stay per generation (each has its own forked controller);
+the measured curve and its corrections are shared.
 """
 
 from __future__ import annotations
@@ -22,9 +30,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .backends.base import Backend
-from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens, expected_tokens_positional, \
-    expected_tokens_upto
-from .drafters import ContinuationRule, Draft, Drafter, DrafterBase
+from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens_upto
+from .drafters import BatchLoad, ContinuationRule, Draft, Drafter, DrafterBase
+from .estimators import MATCH_PRIORS, AcceptanceEstimator, TwoRateEstimator, match_band
 from .limits import AUTO_KMAX
 from .sampling import Sampler
 
@@ -40,121 +48,38 @@ COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
 # A draft model that has not seen the text must first catch up on it, a one-off cost. It is
 # paid when the drafter's steady rate repays it within this many committed tokens.
 CATCH_UP_HORIZON = 64
-# Prompt lookup: acceptance is estimated separately for each kind of match (see
-# NgramDrafter.lookup): its band of match length (the number of context tokens the reused
-# occurrence agrees with), and whether the matched n-gram was always followed by the same
-# token (unique) or not. Band lower bounds, and each kind's prior (first-token acceptance,
-# acceptance of each further token once the one before was accepted), measured with the
-# 1.5B target on the built-in suite's prompts 4-8 of each category (the benchmark runs
-# prompts 1-3): a longer or unambiguous match is likelier a copy, and a copy that has
-# started tends to go on.
-MATCH_BANDS = (1, 2, 3, 5, 9, 17)
-MATCH_PRIORS = {
-    False: ((0.14, 0.54), (0.17, 0.50), (0.26, 0.80), (0.44, 0.90), (0.75, 0.95), (0.96, 0.97)),  # ambiguous
-    True: ((0.46, 0.58), (0.60, 0.69), (0.65, 0.80), (0.85, 0.87), (0.90, 0.95), (0.98, 0.97)),  # unique
-}
+class SharedCosts:
+    """T(n) as every fork of one controller plans with it: the curve (measured, or
+    :class:`ObservedCurve` when costs are learned) and its table T[0..n], grown on demand
+    (a batched step reaches n = generations * (kmax + 1))."""
 
+    def __init__(self, curve: CostCurve | ObservedCurve, n_max: int,
+                 on_drift: Callable[[str], None] | None = None) -> None:
+        self.curve = curve
+        self.on_drift = on_drift
+        self.table = self._table(n_max)
 
-def match_band(match_len: int) -> int:
-    """Index of the MATCH_BANDS band holding match_len (>= 1)."""
-    band = 0
-    for i, lo in enumerate(MATCH_BANDS):
-        if match_len >= lo:
-            band = i
-    return band
+    def _table(self, n_max: int) -> np.ndarray:
+        T = self.curve
+        return T.table(n_max) if isinstance(T, ObservedCurve) else curve_table(T, n_max)
 
+    def upto(self, n: int) -> np.ndarray:
+        """T(0..>=n) (T(0) := T(1))."""
+        if len(self.table) <= n:
+            self.table = self._table(max(n, 2 * len(self.table)))
+        return self.table
 
-@dataclass
-class AcceptanceEstimator:
-    """Per-token acceptance alpha of one drafter, from observed steps.
-
-    A step that drafted k tokens and accepted n adds n accepted tokens and, when n < k,
-    one rejection: alpha = accepted / (accepted + rejections) is the maximum-likelihood
-    estimate under the geometric model behind Eq. 1. Old steps decay by ``decay`` per
-    step so that alpha follows the text; the prior counts as ``prior_weight`` tokens.
-    """
-
-    prior_alpha: float = 0.6
-    prior_weight: float = 2.0
-    decay: float = 0.9
-    accepted: float = field(init=False)
-    rejected: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.accepted = self.prior_alpha * self.prior_weight
-        self.rejected = (1.0 - self.prior_alpha) * self.prior_weight
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
-    def update(self, k: int, n: int) -> None:
-        if k <= 0:
+    def observe(self, n: int, seconds: float, bounds: tuple[float, float], min_samples: int) -> None:
+        T = self.curve
+        if not isinstance(T, ObservedCurve):
             return
-        self.accepted = self.decay * self.accepted + n
-        self.rejected = self.decay * self.rejected + (1.0 if n < k else 0.0)
-
-    def relax(self) -> None:
-        """One step without evidence: old observations fade toward the prior (by ``decay``),
-        so that a drafter silenced by a few early rejections is tried again once its prior
-        would pay, instead of waiting for a probe."""
-        self.accepted = self.decay * self.accepted + (1.0 - self.decay) * self.prior_alpha * self.prior_weight
-        self.rejected = self.decay * self.rejected + (1.0 - self.decay) * (1.0 - self.prior_alpha) * self.prior_weight
-
-    def expected(self, k: int) -> float:
-        """Expected tokens committed by a step that drafts k (Eq. 1 at this alpha)."""
-        return expected_tokens(self.alpha, k)
-
-    def expected_upto(self, kmax: int) -> np.ndarray:
-        """[kmax + 1] expected tokens of a step drafting k = 0..kmax."""
-        return expected_tokens_upto(self.alpha, kmax)
-
-
-@dataclass
-class TwoRateEstimator:
-    """Acceptance of the first drafted token (first) and of each later one given that the
-    one before it was accepted (then): E = 1 + a1 (1 + a + ... + a^(k-1)), the positional
-    form of Eq. 1 (expected_tokens_positional). For drafts whose first token is the
-    uncertain one: a prompt-lookup copy that starts right tends to stay right."""
-
-    prior_first: float
-    prior_then: float
-    prior_weight: float = 2.0
-    decay: float = 0.9
-    first: AcceptanceEstimator = field(init=False)
-    then: AcceptanceEstimator = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.first = AcceptanceEstimator(self.prior_first, self.prior_weight, self.decay)
-        self.then = AcceptanceEstimator(self.prior_then, self.prior_weight, self.decay)
-
-    @property
-    def alpha(self) -> float:
-        return self.first.alpha
-
-    def update(self, k: int, n: int) -> None:
-        if k <= 0:
-            return
-        self.first.update(1, min(n, 1))
-        if n >= 1:
-            self.then.update(k - 1, n - 1)
-
-    def fresh(self) -> "TwoRateEstimator":
-        """A new estimator with this one's priors (what this kind of draft is worth before
-        any observation)."""
-        return TwoRateEstimator(self.prior_first, self.prior_then, self.prior_weight, self.decay)
-
-    def expected(self, k: int) -> float:
-        """Expected tokens committed by a step that drafts k."""
-        return expected_tokens_positional([self.first.alpha] + [self.then.alpha] * (k - 1))
-
-    def expected_upto(self, kmax: int) -> np.ndarray:
-        """[kmax + 1] expected tokens of a step drafting k = 0..kmax:
-        1 + a1 (1 - a^k) / (1 - a)."""
-        a1, a = self.first.alpha, self.then.alpha
-        k = np.arange(kmax + 1, dtype=np.float64)
-        geometric = k if a >= 1.0 else (1.0 - a ** k) / (1.0 - a)
-        return 1.0 + a1 * geometric
+        T.observe(n, seconds)
+        self.table = self._table(len(self.table) - 1)
+        lo, hi = bounds
+        if self.on_drift is not None and T.samples >= min_samples and not lo <= T.drift <= hi:
+            self.on_drift(f"observed verification times are {T.drift:.2f}x the measured curve "
+                          f"after {T.samples} steps")
+            self.on_drift = None
 
 
 @dataclass
@@ -226,14 +151,15 @@ class SpeculationController(DrafterBase):
 
     def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = AUTO_KMAX,
                  probe_every: int = 16, max_probe_gap: int = 256, learn_costs: bool = False,
-                 on_drift: Callable[[str], None] | None = None):
+                 on_drift: Callable[[str], None] | None = None, shared: SharedCosts | None = None):
         if not sources:
             raise ValueError("the controller needs at least one drafter")
         self.sources = list(sources)
-        self.target_cost: CostCurve | ObservedCurve = ObservedCurve(target_cost) if learn_costs else target_cost
         self.kmax = kmax
-        self._on_drift = on_drift
-        self._T = self._cost_table()  # T(n) for n = 0..kmax+1, what plan() reads
+        self._costs = shared or SharedCosts(ObservedCurve(target_cost) if learn_costs else target_cost, kmax + 1,
+                                            on_drift)
+        self._base_cost = target_cost
+        self._load: BatchLoad | None = None
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
         for s in self.sources:
@@ -253,6 +179,27 @@ class SpeculationController(DrafterBase):
         self._used: Counter = Counter()
         self._ks: dict[str, list[int]] = {}
         self._matched: Counter = Counter()
+
+    @property
+    def target_cost(self) -> CostCurve | ObservedCurve:
+        """T(n) as planned with (shared by every fork)."""
+        return self._costs.curve
+
+    @property
+    def _T(self) -> np.ndarray:
+        """T(n) for n = 0..kmax+1 at least (a batched plan reads further)."""
+        return self._costs.table
+
+    def fork(self, seq: int) -> "SpeculationController":
+        """A controller for another concurrent generation: its drafters forked onto sequence
+        seq, the same measured costs (the target's curve and each drafter's cost per token
+        to start from), its own acceptance estimates (from the priors)."""
+        sources = [Source(s.drafter.fork(seq), s.draft_cost, prefill_cost=s.prefill_cost) for s in self.sources]
+        return SpeculationController(sources, self._base_cost, kmax=self.kmax, probe_every=self.probe_every,
+                                     max_probe_gap=self.max_probe_gap, shared=self._costs)
+
+    def set_batch_load(self, load: BatchLoad | None) -> None:
+        self._load = load
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         for s in self.sources:
@@ -305,39 +252,31 @@ class SpeculationController(DrafterBase):
         return [s.name for s in self.sources]
 
     def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None,
-             estimator: AcceptanceEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
+             estimator: AcceptanceEstimator | TwoRateEstimator | None = None,
+             load: BatchLoad | None = None) -> tuple[int, float]:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
 
         extra: one-off seconds this step would cost on top (a draft model's catch-up).
         alpha: a per-token acceptance to plan with (Eq. 1); else the estimator's expectation
         (default: the source's overall estimator).
+        load: the batched step's load so far (see the module docstring); None: alone.
+        The rate is the whole step's: (E_B - 1 + E(K)) / (D_B + extra + K c + T(B + K)).
         """
         K = min(cap, self.kmax)
+        B, E0, D0 = (1, 1.0, 0.0) if load is None else (load.tokens, load.expected, load.draft_s)
+        T = self._costs.upto(B + K)
         if K <= 0:
-            return 0, 1.0 / self._T[1]
+            return 0, E0 / (D0 + T[B])
         est = source.estimator if estimator is None else estimator
         E = expected_tokens_upto(alpha, K) if alpha is not None else est.expected_upto(K)  # [K+1]
         k = np.arange(K + 1)
-        rates = E / (extra * (k > 0) + k * source.draft_cost + self._T[1:K + 2])  # k = 0: a plain step
+        rates = (E0 - 1.0 + E) / (D0 + extra * (k > 0) + k * source.draft_cost + T[B:B + K + 1])  # k = 0: plain
         best = int(np.argmax(rates))  # ties go to the smaller K
         return best, float(rates[best])
 
-    def _cost_table(self) -> np.ndarray:
-        T = self.target_cost
-        return T.table(self.kmax + 1) if isinstance(T, ObservedCurve) else curve_table(T, self.kmax + 1)
-
     def observe_verification(self, n: int, seconds: float) -> None:
         """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs)."""
-        T = self.target_cost
-        if not isinstance(T, ObservedCurve):
-            return
-        T.observe(n, seconds)
-        self._T = self._cost_table()
-        lo, hi = self.DRIFT_BOUNDS
-        if self._on_drift is not None and T.samples >= self.DRIFT_MIN_SAMPLES and not lo <= T.drift <= hi:
-            self._on_drift(f"observed verification times are {T.drift:.2f}x the measured curve "
-                           f"after {T.samples} steps")
-            self._on_drift = None
+        self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         """Try the drafters whose best K beats plain decoding, best expected rate first; the
@@ -355,7 +294,7 @@ class SpeculationController(DrafterBase):
             if not (s is self._prev_source and self._prev_full):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
-            kk, rate = self.plan(s, cap, extra, estimator=est)
+            kk, rate = self.plan(s, cap, extra, estimator=est, load=self._load)
             if kk == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the
                 # steady rate saves per token repays it within the horizon.
@@ -384,6 +323,8 @@ class SpeculationController(DrafterBase):
                 per_token = (time.perf_counter() - t0) / len(draft.token_ids)
                 s.draft_cost += COST_EMA * (per_token - s.draft_cost)
                 self._last, self._last_est, self._last_k, self._last_probe = s, est, len(draft.token_ids), probe
+                if self._load is not None:
+                    self._load.expected += est.expected(len(draft.token_ids)) - 1.0
                 self._plain_streak = 0
                 self.choices[s.name] += 1
                 self._used[s.name] += 1
@@ -401,8 +342,9 @@ class SpeculationController(DrafterBase):
         model's own top probabilities so far) times the time one plain step takes exceeds
         what drafting it and verifying one more position cost."""
         def keep(i: int, p_cum: float) -> bool:
-            T = self._T
-            marginal = source.draft_cost + T[min(i + 2, len(T) - 1)] - T[i + 1]
+            b = self._load.tokens - 1 if self._load is not None else 0  # the other tokens in the forward
+            T = self._costs.upto(b + i + 2)
+            marginal = source.draft_cost + T[b + i + 2] - T[b + i + 1]
             return p_cum * T[1] >= marginal
 
         return keep

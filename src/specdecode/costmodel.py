@@ -148,6 +148,8 @@ def machine_key(backend: Backend) -> str:
         st = Path(path).stat()
         parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
     parts += [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
+    if backend.n_seq > 1:  # a cache of several sequences (llama.cpp's unified KV) times differently
+        parts.append(f"n_seq={backend.n_seq}")
     try:
         with open("/proc/cpuinfo") as f:
             parts.append(next((ln for ln in f if ln.startswith("model name")), ""))

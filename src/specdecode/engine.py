@@ -12,9 +12,14 @@ One step (docs/architecture.md):
 What the committed tokens become (text, stop strings, logprobs, statistics) is
 :class:`specdecode.output.OutputAccumulator`'s job.
 
-KV invariant: after every step the target's KV cache holds exactly committed[:-1]
-(``target.kv_len == len(committed) - 1``): the last committed token is fed at the
-start of the next step together with the drafts.
+KV invariant: after every step the target's KV cache of the generation's sequence holds
+exactly committed[:-1] (``target.seq_len(seq) == len(committed) - 1``): the last
+committed token is fed at the start of the next step together with the drafts.
+
+Continuous batching: several generations, each in its own slot (a KV sequence of the
+target, and of shared draft models), run the same step together: their blocks
+[last committed + drafts] go into one ``target.forward_batch`` and each is verified with
+its own sampler. One generation alone is the batch of one, by the same code.
 
 Sources: Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2.
 Dimension letters: K = drafted tokens this step, V = vocabulary size.
@@ -23,13 +28,13 @@ Dimension letters: K = drafted tokens this step, V = vocabulary size.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from .backends.base import Backend, common_prefix_len
-from .drafters import Draft, Drafter
+from .backends.base import Backend, SeqForward, common_prefix_len
+from .drafters import BatchLoad, Draft, Drafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import Grammar, GrammarConstraint
 from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens
@@ -37,34 +42,87 @@ from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob
 from .sampling import Sampler, SamplingParams
 from .verify import VerifyResult, committed_tokens, verify_greedy, verify_speculative_sampling
 
-__all__ = ["SpeculativeEngine", "GenerationResult", "TextDelta", "TokenLogprob"]
+__all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
 
 
-@dataclass
-class _Generation:
-    """The state one generation's steps share."""
+@dataclass(eq=False)
+class Generation:
+    """One generation in progress (made by :meth:`SpeculativeEngine.begin`).
+
+    committed: prompt and emitted tokens. slot: the engine slot (KV sequence) it runs in.
+    k: its cap on drafted tokens per step. done: no further step is needed.
+    """
 
     committed: list[int]  # prompt and emitted tokens
     drafter: Drafter
     sampler: Sampler
     out: OutputAccumulator
+    slot: "Slot"
+    k: int
+    prompt_len: int
+
+    @property
+    def done(self) -> bool:
+        return self.out.finish_reason is not None or self.room < 0
+
+    @property
+    def room(self) -> int:
+        """Drafts that still fit: a step commits up to k+1 tokens; prompt plus output never
+        exceeds n_ctx."""
+        return self.slot.n_ctx - len(self.committed) - 1
+
+
+@dataclass(eq=False)
+class Slot:
+    """One KV sequence of the target (and of shared draft models) and what it caches.
+
+    seq: the sequence id. drafter: this slot's drafter (forked from the engine's).
+    cached: the tokens in the target's cache of seq (for prefix reuse across generations).
+    gen: the generation running in it, or None when free.
+    """
+
+    seq: int
+    drafter: Drafter
+    n_ctx: int
+    cached: list[int] = field(default_factory=list)
+    gen: Generation | None = None
+    last_used: int = 0
 
 
 class SpeculativeEngine:
-    """Runs generations of one target with one drafter.
+    """Runs generations of one target with one drafter, one at a time or several in one
+    batch (continuous batching).
 
     target: the model whose output is reproduced exactly.
     drafter: proposes tokens (NoDrafter for plain decoding).
     num_speculative_tokens: K, drafted tokens per step (0 <= K <= MAX_NUM_SPECULATIVE_TOKENS).
+    n_slots: concurrent generations (default: the target's n_seq); slot i runs on the
+        target's KV sequence i with ``drafter.fork(i)`` (slot 0 with the drafter itself).
 
-    Raises SpecDecodeError on an out-of-range K.
+    A single generation (:meth:`stream`) is the batch of one: :meth:`begin` takes a slot
+    and prefills it, :meth:`step` runs one batched step for any set of running
+    generations, :meth:`end` finishes one and frees its slot. Generations join and leave
+    between steps; each keeps its own sampler, random stream, penalties, grammar, stop
+    strings and max_tokens, and rolls back its own sequence.
+
+    Raises SpecDecodeError on an out-of-range K or n_slots.
     """
 
-    def __init__(self, target: Backend, drafter: Drafter, num_speculative_tokens: int = 4) -> None:
+    def __init__(self, target: Backend, drafter: Drafter, num_speculative_tokens: int = 4,
+                 n_slots: int | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens, allow_auto=False)
-        self._target_cached: list[int] = []  # tokens in the target's KV cache, for prefix reuse
+        n = target.n_seq if n_slots is None else n_slots
+        if not 1 <= n <= target.n_seq:
+            raise SpecDecodeError(f"n_slots = {n} is out of range: the target {target.name} holds "
+                                  f"{target.n_seq} sequence(s)", param="parallel")
+        self.slots = [Slot(i, drafter if i == 0 else drafter.fork(i), target.n_ctx) for i in range(n)]
+        self._uses = 0
+
+    def free_slots(self) -> int:
+        """Slots without a running generation."""
+        return sum(1 for s in self.slots if s.gen is None)
 
     def stream(
         self,
@@ -88,7 +146,7 @@ class SpeculativeEngine:
         max_tokens: cap on emitted tokens (>= 1). stop: strings that end the output.
         logprobs: N >= 0 to record the N most likely tokens per emitted token.
         record_top2_gaps: record the target's top-2 logit gap at each emitted token.
-        drafter, num_speculative_tokens: override the engine's for this call (e.g. a
+        drafter, num_speculative_tokens: override the slot's for this call (e.g. a
             NoDrafter for the plain baseline on the same loaded target).
         grammar: structured output (:mod:`specdecode.grammar`): the output matches it, and is
             what plain decoding under the same grammar would give.
@@ -96,71 +154,135 @@ class SpeculativeEngine:
         Raises SpecDecodeError for bad options, ContextOverflowError when the prompt does
         not fit in the context.
         """
+        gen = self.begin(prompt_ids, sampling, max_tokens, stop, logprobs, record_top2_gaps, drafter,
+                         num_speculative_tokens, grammar)
+        ended = False
+        try:
+            while not gen.done:
+                delta = self.step([gen])[0]
+                if delta or delta.token_ids:
+                    yield delta
+            ended = True
+            yield from self.end(gen)
+        finally:
+            if not ended:
+                self.end(gen)
+
+    def begin(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+              max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (), logprobs: int | None = None,
+              record_top2_gaps: bool = False, drafter: Drafter | None = None,
+              num_speculative_tokens: int | None = None, grammar: Grammar | None = None,
+              slot: int | None = None) -> Generation:
+        """Start a generation (options as :meth:`stream`) in a free slot: the given one, else
+        the free slot whose cached tokens share the longest prefix with the prompt (least
+        recently used among equals); its prompt is prefilled there (reusing that prefix).
+
+        Raises SpecDecodeError for bad options or when no slot is free,
+        ContextOverflowError when the prompt does not fit.
+        """
         K = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         self._check(prompt_ids, K, max_tokens, stop, logprobs)
         started = time.perf_counter()
+        where = self._choose_slot(prompt_ids, slot)
         sampler = Sampler(sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None)
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, max_tokens, stop,
                                 logprobs, record_top2_gaps, started)
-        gen = _Generation(list(prompt_ids), drafter or self.drafter, sampler, out)
-        self._prefill(gen.committed)
+        gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids))
+        self._prefill(where, gen.committed)
+        where.gen = gen
+        self._uses += 1
+        where.last_used = self._uses
         gen.drafter.start(prompt_ids, sampler)
         out.decode_started = time.perf_counter()
         out.stats.prefill_s = out.decode_started - started
-        try:
-            while out.finish_reason is None:
-                # A step commits up to k+1 tokens; prompt plus output never exceeds n_ctx.
-                room = self.target.n_ctx - len(gen.committed) - 1
-                if room < 0:
-                    break
-                delta = self._step(gen, min(K, out.remaining - 1, room))
-                if delta or delta.token_ids:
-                    yield delta
-        finally:
-            # Nothing after the stop point stays in a cache: keep exactly the emitted text's prefix.
-            final_len = len(prompt_ids) + len(out.emitted)
-            if self.target.kv_len > final_len - 1:
-                self.target.rollback(final_len - 1)
-                self._target_cached = self._target_cached[: final_len - 1]
-            gen.drafter.finish(gen.committed[:final_len])
-        tail = out.end("length")
-        out.stats.controller_note = gen.drafter.explain()
-        if tail or tail.token_ids:
-            yield tail
-        yield out.result()
+        return gen
 
-    def _step(self, gen: _Generation, k: int) -> TextDelta:
-        """Draft up to k tokens, verify them in one target forward, commit what is accepted
-        plus the target's own token; returns the text delta to stream."""
-        target, committed, stats = self.target, gen.committed, gen.out.stats
-        t0 = time.perf_counter()
-        draft = gen.drafter.propose(committed, k) if k > 0 else Draft([])
+    def _choose_slot(self, prompt_ids: Sequence[int], slot: int | None) -> Slot:
+        free = [s for s in self.slots if s.gen is None]
+        if slot is not None:
+            if not 0 <= slot < len(self.slots):
+                raise SpecDecodeError(f"slot {slot} is out of range: the engine has {len(self.slots)}", param="slot")
+            free = [s for s in free if s.seq == slot]
+        if not free:
+            raise SpecDecodeError(f"no free slot among {len(self.slots)}" if slot is None else f"slot {slot} is busy",
+                                  param="slot")
+        return max(free, key=lambda s: (common_prefix_len(s.cached, prompt_ids, len(prompt_ids) - 1), -s.last_used))
+
+    def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
+        """One batched step for the running generations ``gens`` (distinct, not done): each
+        drafts up to its k tokens (sized for the batch by a cost-aware drafter), the target
+        verifies every block in one forward, each commits what it accepts plus the target's
+        own token; returns each generation's text delta, in order."""
+        load = BatchLoad(tokens=len(gens), expected=float(len(gens)))
+        blocks = []
+        for gen in gens:
+            gen.drafter.set_batch_load(load if len(gens) > 1 else None)
+            t0 = time.perf_counter()
+            draft_ids, draft_probs = self._draft(gen, min(gen.k, gen.out.remaining - 1, gen.room))
+            dt = time.perf_counter() - t0
+            gen.out.stats.draft_s += dt
+            load.tokens += len(draft_ids)
+            load.draft_s += dt
+            blocks.append((draft_ids, draft_probs))
+        t1 = time.perf_counter()
+        logits = self.target.forward_batch([
+            SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
+            for gen, (ids, _) in zip(gens, blocks)])
+        results = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
+        t2 = time.perf_counter()
+        self.drafter.observe_verification(load.tokens, t2 - t1)
+        deltas = []
+        for gen, (ids, _), lg, result in zip(gens, blocks, logits, results):
+            gen.out.stats.verify_s += t2 - t1
+            deltas.append(self._commit(gen, ids, result, lg))
+        return deltas
+
+    def _draft(self, gen: Generation, k: int) -> tuple[list[int], np.ndarray | None]:
+        """Up to k drafted ids (cut where the grammar rejects one) and their probs [k, V]."""
+        draft = gen.drafter.propose(gen.committed, k) if k > 0 else Draft([])
         draft_ids = draft.token_ids[:k]
         if gen.sampler.constraint is not None:  # a token the grammar rejects could never be accepted
             draft_ids = draft_ids[: gen.sampler.constraint.valid_prefix(draft_ids)]
         k = len(draft_ids)
-        draft_probs = draft.probs[:k] if draft.probs is not None else None  # [k, V] or one-hot
-        t1 = time.perf_counter()
-        stats.draft_s += t1 - t0
+        return draft_ids, draft.probs[:k] if draft.probs is not None else None  # [k, V] or one-hot
 
-        logits = target.forward([committed[-1]] + draft_ids, logits_for=range(k + 1))  # [k+1, V]
-        result = self._verify(gen, draft_ids, draft_probs, logits)
-        t2 = time.perf_counter()
-        stats.verify_s += t2 - t1
-        gen.drafter.observe_verification(k + 1, t2 - t1)
-
+    def _commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, logits: np.ndarray) -> TextDelta:
+        """Commit the accepted drafts and the target's token; roll the slot's sequence back
+        to the KV invariant; returns the text delta."""
         new = gen.out.cut(committed_tokens(draft_ids, result))
         if gen.sampler.constraint is not None:
             gen.sampler.constraint.commit(new)
+        committed, slot = gen.committed, gen.slot
         committed.extend(new)
-        target.rollback(len(committed) - 1)
-        self._target_cached = committed[:-1]
-        assert target.kv_len == len(committed) - 1, "target KV length must be committed length - 1"
+        self.target.rollback(len(committed) - 1, seq=slot.seq)
+        slot.cached = committed[:-1]
+        assert self.target.seq_len(slot.seq) == len(committed) - 1, "target KV length must be committed length - 1"
         gen.drafter.observe(result.num_accepted)
-        return gen.out.add(new, result.num_accepted, k, logits)
+        return gen.out.add(new, result.num_accepted, len(draft_ids), logits)
+
+    def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
+        """Finish a generation (done, or stopped early: a cancelled request) and free its
+        slot; returns what is left to stream: the last text delta (if any) and the
+        GenerationResult. Nothing after the emitted text stays in a cache."""
+        slot, out = gen.slot, gen.out
+        if slot.gen is not gen:
+            raise SpecDecodeError("this generation has already ended")
+        try:
+            final_len = gen.prompt_len + len(out.emitted)
+            if self.target.seq_len(slot.seq) > final_len - 1:
+                self.target.rollback(final_len - 1, seq=slot.seq)
+                slot.cached = slot.cached[: final_len - 1]
+            gen.drafter.finish(gen.committed[:final_len])
+        finally:
+            slot.gen = None
+            gen.drafter.set_batch_load(None)
+        tail = out.end("length")
+        out.stats.controller_note = gen.drafter.explain()
+        items: list[TextDelta | GenerationResult] = [tail] if tail or tail.token_ids else []
+        return items + [out.result()]
 
     @staticmethod
-    def _verify(gen: _Generation, draft_ids: list[int], draft_probs: np.ndarray | None,
+    def _verify(gen: Generation, draft_ids: list[int], draft_probs: np.ndarray | None,
                 logits: np.ndarray) -> VerifyResult:
         """The acceptance rule on the target's logits [k+1, V]: greedy match, or speculative
         sampling on the sampler-shaped target distributions."""
@@ -193,18 +315,21 @@ class SpeculativeEngine:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.target.n_ctx}: "
                 f"it must be shorter than the context to leave room for at least one new token", param="prompt")
 
-    def _prefill(self, committed: list[int]) -> None:
-        """Cache committed[:-1] (see the KV invariant), reusing the longest cached prefix."""
-        keep = common_prefix_len(self._target_cached, committed, len(committed) - 1)
-        self.target.rollback(keep)
+    def _prefill(self, slot: Slot, committed: list[int]) -> None:
+        """Cache committed[:-1] in the slot's sequence (see the KV invariant), reusing the
+        longest cached prefix."""
+        keep = common_prefix_len(slot.cached, committed, len(committed) - 1)
+        slot.cached = []  # until the forward succeeds
+        self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
         if len(committed) - 1 > keep:
-            self.target.forward(committed[keep:-1], logits_for=[])
-        self._target_cached = committed[:-1]
+            self.target.forward(committed[keep:-1], logits_for=[], seq=slot.seq)
+        slot.cached = committed[:-1]
 
     def forget_prefix(self) -> None:
         """Make the next generation prefill its whole prompt (no reuse of the cached prefix),
         e.g. so that side-by-side runs pay the same prefill."""
-        self._target_cached = []
+        for slot in self.slots:
+            slot.cached = []
 
     def generate(self, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
         """Run :meth:`stream` to the end and return its GenerationResult."""

@@ -19,6 +19,10 @@ AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
 # sizes around which llama.cpp's CPU kernels change (a 16-token forward can cost less
 # than a 12-token one).
 COST_CURVE_NS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
+# Further forward sizes measured for a target that runs several generations in one batch
+# (--parallel > 1): a batched step holds every generation's block (up to
+# generations * (AUTO_KMAX + 1) tokens); past the last point T(n) is extrapolated linearly.
+BATCH_COST_CURVE_NS = (48, 64, 96, 128)
 # logprobs: the most likely tokens reported per emitted token (OpenAI's limit).
 MAX_LOGPROBS = 20
 # n, choices per server request. The engine serves one sequence at a time, so a request's
@@ -27,6 +31,11 @@ MAX_LOGPROBS = 20
 # samples to pick from or vote over) and keeps that wait within an order of magnitude of
 # a plain request; the server also caps n * max_tokens at the context size.
 MAX_N = 8
+# --parallel: slots for concurrent generations in one batch. Each slot holds a KV cache of
+# n_ctx tokens (llama.cpp allocates n_ctx * slots cells at load), and a batched step of
+# MAX_PARALLEL generations drafting MAX_NUM_SPECULATIVE_TOKENS each stays within one
+# llama_decode call of 512 tokens.
+MAX_PARALLEL = 15
 
 BACKENDS = ("auto", "llama.cpp", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +68,14 @@ def check_num_speculative_tokens(value: object, name: str = "num_speculative_tok
         auto = " or 'auto'" if allow_auto else ""
         raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer "
                               f"0..{MAX_NUM_SPECULATIVE_TOKENS}{auto}", param=name)
+    return value
+
+
+def check_parallel(value: object, name: str = "parallel") -> int:
+    """Concurrent generation slots, an integer 1..MAX_PARALLEL. Raises SpecDecodeError."""
+    if not _is_int(value) or not (1 <= value <= MAX_PARALLEL):
+        raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer 1..{MAX_PARALLEL}",
+                              param=name)
     return value
 
 

@@ -3,11 +3,15 @@
 Dimension letters: N = tokens in one forward call, M = positions whose logits are
 requested, V = vocabulary size.
 
-KV-cache discipline: a backend holds one sequence. ``forward`` appends tokens at
-positions ``kv_len .. kv_len+N-1``; ``rollback(n)`` drops every cached position >= n so
-that the next ``forward`` continues from position n. Rollback is the one named call
-for rejecting drafted tokens (as llama.cpp's ``llama_memory_seq_rm``), and for reusing a
-cached prefix across generations (:func:`common_prefix_len`).
+KV-cache discipline: a backend holds ``n_seq`` sequences (1 unless loaded for several
+concurrent generations), each with its own positions. ``forward(..., seq=s)`` appends
+tokens to sequence s at positions ``seq_len(s) .. seq_len(s)+N-1``; ``rollback(n, seq=s)``
+drops every cached position >= n of sequence s so that its next ``forward`` continues from
+position n. Rollback is the one named call for rejecting drafted tokens (as llama.cpp's
+``llama_memory_seq_rm``), and for reusing a cached prefix across generations
+(:func:`common_prefix_len`). ``forward_batch`` evaluates several sequences' tokens in one
+forward pass (continuous batching); ``forward`` is the batch of one. ``kv_len`` is
+``seq_len(0)``.
 
 Optional abilities are declared, not probed: ``supports_greedy_draft`` (a whole greedy
 draft on the device, :meth:`Backend.greedy_draft`) and ``supports_output_subset()``
@@ -17,7 +21,7 @@ draft on the device, :meth:`Backend.greedy_draft`) and ``supports_output_subset(
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -33,9 +37,18 @@ def common_prefix_len(cached: Sequence[int], tokens: Sequence[int], limit: int |
     return n
 
 
+class SeqForward(NamedTuple):
+    """One sequence's part of a batched forward: token_ids [N] appended to sequence seq,
+    logits wanted for the indices logits_for [M] (ascending, into token_ids)."""
+
+    seq: int
+    token_ids: Sequence[int]
+    logits_for: Sequence[int]
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """One loaded model with a single-sequence KV cache."""
+    """One loaded model with a KV cache of n_seq sequences."""
 
     name: str  # human-readable model name (file or registry name)
     path: Path | None  # the model file or folder, when loaded from one
@@ -56,8 +69,15 @@ class Backend(Protocol):
         """Context window in tokens: kv_len can never exceed it."""
 
     @property
+    def n_seq(self) -> int:
+        """Sequences the KV cache holds (ids 0..n_seq-1), each of up to n_ctx positions."""
+
+    @property
     def kv_len(self) -> int:
-        """Number of positions currently held in the KV cache."""
+        """Number of positions held in the KV cache of sequence 0 (``seq_len(0)``)."""
+
+    def seq_len(self, seq: int) -> int:
+        """Number of positions held in the KV cache of sequence seq."""
 
     @property
     def eog_ids(self) -> frozenset[int]:
@@ -75,15 +95,20 @@ class Backend(Protocol):
     def apply_chat_template(self, messages: Sequence[dict]) -> str:
         """Render OpenAI-style messages with the model's own chat template, generation prompt added."""
 
-    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
-        """Append token_ids [N] to the cache and return logits [M, V] (float32).
+    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> np.ndarray:
+        """Append token_ids [N] to sequence seq's cache and return logits [M, V] (float32).
 
         logits_for: [M] indices into token_ids (0..N-1, ascending) whose next-token logits
-        are wanted; M may be 0. Raises ContextOverflowError when kv_len + N > n_ctx.
+        are wanted; M may be 0. Raises ContextOverflowError when seq_len(seq) + N > n_ctx.
         """
 
-    def rollback(self, n: int) -> None:
-        """Drop cached positions >= n (0 <= n <= kv_len)."""
+    def forward_batch(self, items: Sequence[SeqForward]) -> list[np.ndarray]:
+        """One forward pass over several sequences (distinct seq ids): appends each item's
+        tokens to its sequence; returns each item's logits [M_i, V], in order. Nothing is
+        appended when it raises (as :meth:`forward`)."""
+
+    def rollback(self, n: int, seq: int = 0) -> None:
+        """Drop sequence seq's cached positions >= n (0 <= n <= seq_len(seq))."""
 
     def close(self) -> None:
         """Free the model and its context."""
@@ -110,7 +135,7 @@ class BackendBase:
     supports_greedy_draft = False
     _n_vocab: int
     _n_ctx: int
-    _kv_len: int
+    _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len
     _eog: frozenset[int]
 
     @property
@@ -122,8 +147,28 @@ class BackendBase:
         return self._n_ctx
 
     @property
+    def n_seq(self) -> int:
+        return 1
+
+    @property
     def kv_len(self) -> int:
+        return self.seq_len(0)
+
+    def seq_len(self, seq: int) -> int:
+        self._check_seq(seq)
         return self._kv_len
+
+    def forward_batch(self, items: Sequence[SeqForward]) -> list[np.ndarray]:
+        """A backend of one sequence: the batch is that sequence's forward."""
+        if len(items) != 1:
+            raise SpecDecodeError(f"{self.name} on {type(self).__name__} holds one sequence: it cannot batch "
+                                  f"{len(items)} sequences (load it with n_seq = 1, --parallel 1)")
+        seq, tokens, rows = items[0]
+        return [self.forward(tokens, rows, seq=seq)]
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq} outside 0..{self.n_seq - 1}")
 
     @property
     def eog_ids(self) -> frozenset[int]:
@@ -142,7 +187,7 @@ class BackendBase:
     def set_output_subset(self, ids: Sequence[int] | None) -> None:
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot restrict its output to a vocabulary subset")
 
-    def _check_forward(self, tokens: Sequence[int], logits_for: Sequence[int]) -> list[int]:
+    def _check_forward(self, tokens: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> list[int]:
         """Validate a forward call; returns the requested rows, sorted and unique.
 
         Raises ValueError for rows outside the tokens, ContextOverflowError when the tokens
@@ -152,17 +197,19 @@ class BackendBase:
         want = sorted(set(int(i) for i in logits_for))
         if want and (want[0] < 0 or want[-1] >= n):
             raise ValueError(f"logits_for {want} out of range for {n} tokens")
-        if self._kv_len + n > self._n_ctx:
+        have = self.seq_len(seq)
+        if have + n > self._n_ctx:
             raise ContextOverflowError(
-                f"{self.name}: {self._kv_len} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
+                f"{self.name}: {have} cached + {n} new tokens exceed the context of {self._n_ctx} tokens"
             )
         bad = [t for t in tokens if not (0 <= t < self._n_vocab)]
         if bad:
             raise SpecDecodeError(f"token id {bad[0]} is outside the vocabulary of {self.name} ({self._n_vocab})")
         return want
 
-    def _check_rollback(self, n: int) -> bool:
-        """Validate a rollback to n; True when there is anything to drop."""
-        if not (0 <= n <= self._kv_len):
-            raise ValueError(f"rollback to {n} outside 0..{self._kv_len}")
-        return n < self._kv_len
+    def _check_rollback(self, n: int, seq: int = 0) -> bool:
+        """Validate a rollback of sequence seq to n; True when there is anything to drop."""
+        have = self.seq_len(seq)
+        if not (0 <= n <= have):
+            raise ValueError(f"rollback to {n} outside 0..{have}")
+        return n < have

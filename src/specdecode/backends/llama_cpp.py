@@ -20,9 +20,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
-from .base import BackendBase
+from .base import BackendBase, SeqForward
 
-MAX_OUTPUT_ROWS = 64  # most logit rows one llama_decode may return
+MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 _BACKEND_READY = False
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds a raw pointer to it
 _RECENT_ERRORS: "collections.deque[str]" = collections.deque(maxlen=8)
@@ -94,11 +94,17 @@ def default_threads() -> int:
 
 
 class LlamaCppBackend(BackendBase):
-    """One GGUF model with a single-sequence KV cache, on llama.cpp.
+    """One GGUF model on llama.cpp, with a KV cache of n_seq sequences.
 
-    path: GGUF file. n_ctx: context window in tokens (default 4096, capped at the
-    model's training context). n_threads: CPU threads (default: the machine's cores).
-    n_batch: most tokens per llama_decode call; longer forwards are split.
+    path: GGUF file. n_ctx: context window in tokens of each sequence (default 4096,
+    capped at the model's training context). n_threads: CPU threads (default: the
+    machine's cores). n_batch: most tokens per llama_decode call; longer forwards are
+    split. n_seq: sequences (llama.cpp sequence ids 0..n_seq-1) for concurrent
+    generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
+
+    The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``):
+    a batch whose sequences bring different numbers of tokens stays one ubatch (a
+    per-sequence cache would split it into equal shares per sequence).
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
@@ -111,6 +117,7 @@ class LlamaCppBackend(BackendBase):
         n_threads: int | None = None,
         n_batch: int = 512,
         name: str | None = None,
+        n_seq: int = 1,
     ) -> None:
         _init_llama()
         import llama_cpp
@@ -123,6 +130,9 @@ class LlamaCppBackend(BackendBase):
         n_threads = default_threads() if n_threads is None else n_threads
         if n_threads < 1:
             raise SpecDecodeError(f"n_threads = {n_threads} is out of range: expected n_threads >= 1")
+        max_seq = int(llama_cpp.llama_max_parallel_sequences())
+        if not 1 <= n_seq <= max_seq:
+            raise SpecDecodeError(f"n_seq = {n_seq} is out of range: llama.cpp holds 1..{max_seq} sequences")
         self._model = None
         self._ctx = None
         self._batch = None
@@ -143,15 +153,16 @@ class LlamaCppBackend(BackendBase):
         if n_ctx_train > 0:
             n_ctx = min(n_ctx, n_ctx_train)
         self._n_batch = max(1, min(n_batch, n_ctx))
+        self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
 
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx
+        cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = self._n_batch
         cparams.n_ubatch = self._n_batch
-        cparams.n_seq_max = 1
-        # Logit rows per ubatch: verification needs K+1 <= 33 rows, never n_batch of them.
-        if hasattr(cparams, "n_outputs_max"):
-            cparams.n_outputs_max = MAX_OUTPUT_ROWS
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = True
+        # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
+        cparams.n_outputs_max = self._rows_max
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -161,9 +172,9 @@ class LlamaCppBackend(BackendBase):
             raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}{_last_error()}")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
-        self._n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        self._n_ctx = int(llama_cpp.llama_n_ctx(ctx)) // n_seq
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
-        self._kv_len = 0
+        self._seq_lens = [0] * n_seq
         self.n_threads = n_threads
 
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
@@ -250,54 +261,80 @@ class LlamaCppBackend(BackendBase):
         return bool(self._lib.llama_vocab_get_add_bos(self._vocab))
 
     # --- evaluation -------------------------------------------------------------------
-    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
-        """Append token_ids [N] at positions kv_len.. and return logits [M, V] float32 (a copy).
+    @property
+    def n_seq(self) -> int:
+        return len(self._seq_lens)
 
-        logits_for: [M] ascending indices into token_ids. Long inputs are split into
-        n_batch-sized llama_decode calls. Raises ContextOverflowError when the tokens do
-        not fit, SpecDecodeError when llama.cpp reports a failure.
+    def seq_len(self, seq: int) -> int:
+        self._check_seq(seq)
+        return self._seq_lens[seq]
+
+    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> np.ndarray:
+        """Append token_ids [N] to sequence seq at positions seq_len(seq).. and return logits
+        [M, V] float32 (a copy): :meth:`forward_batch` of one sequence."""
+        return self.forward_batch([SeqForward(seq, token_ids, logits_for)])[0]
+
+    def forward_batch(self, items: Sequence[SeqForward]) -> list[np.ndarray]:
+        """Evaluate each item's tokens [N_i] on its sequence in one pass (llama_decode calls
+        of up to n_batch tokens, the sequences' tokens side by side); returns logits
+        [M_i, V] float32 per item.
+
+        Raises ValueError for repeated or unknown sequences, ContextOverflowError when a
+        sequence's tokens do not fit, SpecDecodeError when more than MAX_OUTPUT_ROWS rows
+        are asked of one sequence or llama.cpp reports a failure (every sequence is then
+        left as it was).
         """
-        tokens = [int(t) for t in token_ids]
-        want = self._check_forward(tokens, logits_for)
-        n = len(tokens)
-        if len(want) > MAX_OUTPUT_ROWS:
-            raise SpecDecodeError(f"{self.name}: {len(want)} logit rows asked for, at most {MAX_OUTPUT_ROWS} per call")
-        out = np.empty((len(want), self._n_vocab), dtype=np.float32)
-        want_set = set(want)
-        row = 0
-        lib = self._lib
-        b = self._batch
-        for start in range(0, n, self._n_batch):
-            chunk = tokens[start : start + self._n_batch]
-            rows_here = []
-            for j, tok in enumerate(chunk):
+        seqs = [int(it[0]) for it in items]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a batched forward takes each sequence once, got {seqs}")
+        # Flattened batch: (seq, token, position, output row or -1) per token.
+        flat: list[tuple[int, int, int, int]] = []
+        outs: list[np.ndarray] = []
+        where: list[tuple[int, int]] = []  # output row -> (item, row in item)
+        for i, (seq, token_ids, logits_for) in enumerate(items):
+            tokens = [int(t) for t in token_ids]
+            want = self._check_forward(tokens, logits_for, seq)
+            if len(want) > MAX_OUTPUT_ROWS:
+                raise SpecDecodeError(f"{self.name}: {len(want)} logit rows asked for, at most "
+                                      f"{MAX_OUTPUT_ROWS} per sequence and call")
+            rows = {j: r for r, j in enumerate(want)}
+            base = self._seq_lens[seq]
+            for j, tok in enumerate(tokens):
+                r = rows.get(j, -1)
+                if r >= 0:
+                    where.append((i, r))
+                flat.append((seq, tok, base + j, len(where) - 1 if r >= 0 else -1))
+            outs.append(np.empty((len(want), self._n_vocab), dtype=np.float32))
+        before = list(self._seq_lens)
+        lib, b = self._lib, self._batch
+        for start in range(0, len(flat), self._n_batch):
+            chunk = flat[start: start + self._n_batch]  # its rows fit: <= min(n_batch, 64 * n_seq)
+            for j, (seq, tok, pos, r) in enumerate(chunk):
                 b.token[j] = tok
-                b.pos[j] = self._kv_len + j
+                b.pos[j] = pos
                 b.n_seq_id[j] = 1
-                b.seq_id[j][0] = 0
-                flag = (start + j) in want_set
-                b.logits[j] = flag
-                if flag:
-                    rows_here.append(j)
+                b.seq_id[j][0] = seq
+                b.logits[j] = r >= 0
             b.n_tokens = len(chunk)
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
-                # Leave the cache as it was before this call.
-                lib.llama_memory_seq_rm(self._mem, 0, self._kv_len, -1)
+                for seq, n in enumerate(before):  # leave every sequence as it was before this call
+                    lib.llama_memory_seq_rm(self._mem, seq, n, -1)
+                self._seq_lens = before
                 raise SpecDecodeError(f"{self.name}: llama_decode failed with code {rc}")
-            self._kv_len += len(chunk)
-            for j in rows_here:
-                ptr = lib.llama_get_logits_ith(self._ctx, j)
-                out[row] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-                row += 1
-        return out
+            for j, (seq, _, pos, r) in enumerate(chunk):
+                self._seq_lens[seq] = pos + 1
+                if r >= 0:
+                    i, row = where[r]
+                    outs[i][row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, j), shape=(self._n_vocab,))
+        return outs
 
-    def rollback(self, n: int) -> None:
-        """Drop cached positions >= n (llama_memory_seq_rm over [n, end))."""
-        if self._check_rollback(n):
-            if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+    def rollback(self, n: int, seq: int = 0) -> None:
+        """Drop sequence seq's cached positions >= n (llama_memory_seq_rm over [n, end))."""
+        if self._check_rollback(n, seq):
+            if not self._lib.llama_memory_seq_rm(self._mem, seq, n, -1):
                 raise SpecDecodeError(f"{self.name}: llama.cpp cannot roll back this model's cache to {n}")
-            self._kv_len = n
+            self._seq_lens[seq] = n
 
     def close(self) -> None:
         lib = getattr(self, "_lib", None)

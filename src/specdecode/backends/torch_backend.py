@@ -90,7 +90,8 @@ def _prefix_static_cache(transformers, config, n_ctx: int):
 
 
 class TorchBackend(BackendBase):
-    """A Hugging Face causal LM with a preallocated single-sequence KV cache.
+    """A Hugging Face causal LM with a preallocated single-sequence KV cache (n_seq = 1: one
+    generation at a time; concurrent generations need the llama.cpp backend).
 
     Build with :meth:`load` (a Hugging Face folder or a GGUF file, dequantized by
     transformers) or directly from a model and tokenizer already in memory.
@@ -277,15 +278,17 @@ class TorchBackend(BackendBase):
             b = head.bias.index_select(0, t) if getattr(head, "bias", None) is not None else None
         self._subset = (t, w, b)
 
-    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int]) -> np.ndarray:
+    def forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> np.ndarray:
         """Append token_ids [N] at positions kv_len.. and return logits [M, V] float32 on the host.
 
+        seq: 0, the one sequence this backend holds (n_seq is 1: it serves one generation
+        at a time; :meth:`forward_batch` of more than one sequence raises SpecDecodeError).
         Raises ContextOverflowError when the tokens do not fit in n_ctx.
         """
         torch = self._torch
         tokens = [int(t) for t in token_ids]
         n = len(tokens)
-        want = self._check_forward(tokens, logits_for)
+        want = self._check_forward(tokens, logits_for, seq)
         if n == 0:
             return np.zeros((0, self._n_vocab), dtype=np.float32)
         dev = self.device
@@ -346,10 +349,10 @@ class TorchBackend(BackendBase):
                 drafted.append(nxt)
             return [int(t) for t in torch.stack(drafted).tolist()]
 
-    def rollback(self, n: int) -> None:
+    def rollback(self, n: int, seq: int = 0) -> None:
         """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a
-        negative count), and the stale slots are masked and later overwritten."""
-        if self._check_rollback(n):
+        negative count), and the stale slots are masked and later overwritten. seq: 0."""
+        if self._check_rollback(n, seq):
             self._cache.crop(n - self._kv_len)
             self._kv_len = n
 

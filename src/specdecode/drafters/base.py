@@ -9,6 +9,13 @@ Every drafter has one signature, ``propose(context, k) -> Draft``, and a feedbac
     observe(num_accepted)        how many of the last proposal the target accepted
     finish(committed)            end of the generation: drop state past the committed text
     close()                      free what the drafter owns (draft models)
+    fork(seq)                    a drafter for another concurrent generation (KV sequence seq)
+
+Concurrent generations (continuous batching, :mod:`specdecode.engine`) each have their own
+drafter, forked from one: forks share the models (each on its own KV sequence) and the
+measured costs, and keep their own per-generation state and acceptance estimates. Before
+a batched step's proposals the engine hands each drafter the :class:`BatchLoad` so far
+(``set_batch_load``), so that a cost-aware drafter sizes its draft for the whole forward.
 
 ``start`` hands over the sampler whose transforms and random generator the drafter must
 use, so that ``Draft.probs`` is the distribution each drafted token was actually drawn from.
@@ -39,6 +46,21 @@ class Draft:
 
     token_ids: list[int]
     probs: np.ndarray | None = None
+
+
+@dataclass
+class BatchLoad:
+    """What one batched step's target forward already holds when a generation drafts.
+
+    tokens: tokens in the forward so far (each generation's last committed token, plus the
+    drafts proposed before this one). expected: committed tokens expected from them (1 per
+    generation without drafts). draft_s: seconds of drafting spent in this step so far.
+    A generation running alone sees BatchLoad(1, 1.0, 0.0).
+    """
+
+    tokens: int
+    expected: float
+    draft_s: float = 0.0
 
 
 class Drafter(Protocol):
@@ -87,6 +109,14 @@ class Drafter(Protocol):
     def explain(self) -> str:
         """One line on what this drafter did in the last generation and why ("" if nothing
         to say): the statistics block shows it."""
+
+    def fork(self, seq: int) -> "Drafter":
+        """A drafter of the same kind for another concurrent generation, drafting on KV
+        sequence seq of the shared draft models; it shares models and measured costs, not
+        per-generation state. Raises SpecDecodeError when the drafter cannot be shared."""
+
+    def set_batch_load(self, load: BatchLoad | None) -> None:
+        """The batched step's load before this generation's next proposal (None: alone)."""
 
 
 class ContextMemo:
@@ -147,6 +177,15 @@ class DrafterBase:
     def explain(self) -> str:
         return ""
 
+    def fork(self, seq: int) -> "Drafter":
+        from ..errors import SpecDecodeError
+
+        raise SpecDecodeError(f"the {self.name!r} drafter serves one generation at a time: it cannot be forked "
+                              f"for concurrent generations")
+
+    def set_batch_load(self, load: BatchLoad | None) -> None:
+        pass
+
 
 class NoDrafter(DrafterBase):
     """No drafts: every step is one plain autoregressive target forward (the baseline)."""
@@ -155,3 +194,6 @@ class NoDrafter(DrafterBase):
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         return Draft([])
+
+    def fork(self, seq: int) -> "NoDrafter":
+        return self  # no state

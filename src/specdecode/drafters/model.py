@@ -5,6 +5,7 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import numpy as np
@@ -50,8 +51,10 @@ class ModelDrafter(DrafterBase):
 
     name = "model"
 
-    def __init__(self, backend: Backend, target: Backend | None = None, vocab_subset: int = 0) -> None:
+    def __init__(self, backend: Backend, target: Backend | None = None, vocab_subset: int = 0, seq: int = 0) -> None:
         self.backend = backend
+        self.seq = seq  # the draft model's KV sequence this drafter uses
+        self._owner = True  # closes the backend (forks share it)
         if vocab_subset < 0:
             raise SpecDecodeError(f"draft vocabulary subset {vocab_subset} is out of range: expected >= 0 (0 = all)")
         if vocab_subset and not backend.supports_output_subset():
@@ -83,7 +86,19 @@ class ModelDrafter(DrafterBase):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.backend.close()
+            if self._owner:
+                self.backend.close()
+
+    def fork(self, seq: int) -> "ModelDrafter":
+        """A drafter on the same draft model, drafting on its KV sequence seq.
+        Raises SpecDecodeError when the draft model holds fewer sequences."""
+        if not 0 <= seq < self.backend.n_seq:
+            raise SpecDecodeError(f"the draft model {self.backend.name} holds {self.backend.n_seq} sequence(s): "
+                                  f"it cannot draft on sequence {seq}")
+        twin = copy.copy(self)
+        twin.seq, twin._owner, twin._closed = seq, False, False
+        twin._cached, twin._sampler, twin.keep_drafting = [], None, None
+        return twin
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         self._sampler = sampler
@@ -105,14 +120,14 @@ class ModelDrafter(DrafterBase):
         if k <= 0:
             return Draft([])
         keep = common_prefix_len(self._cached, context, len(context) - 1)  # feed at least one token
-        self.backend.rollback(keep)
+        self.backend.rollback(keep, seq=self.seq)
         self._cached = list(context[:keep])
-        assert self.backend.kv_len == len(self._cached), "draft KV length must equal its cached tokens"
+        assert self.backend.seq_len(self.seq) == len(self._cached), "draft KV length must equal its cached tokens"
         if self.target_vocab > self.backend.n_vocab and any(t >= self.backend.n_vocab for t in context[keep:]):
             return Draft([])  # the context holds an id of the target's padding: the draft cannot read it
 
         if (sampler.params.greedy and not sampler.params.has_penalties and self.keep_drafting is None
-                and sampler.constraint is None and self._greedy_on_device):
+                and sampler.constraint is None and self._greedy_on_device and self.seq == 0):
             # The whole greedy draft on the device (torch): one host sync, not one per token.
             drafts = self.backend.greedy_draft(context[keep:], k)
             self._cached.extend(list(context[keep:]) + drafts[:-1])
@@ -120,7 +135,8 @@ class ModelDrafter(DrafterBase):
         history = list(context) if sampler.params.has_penalties else []
         drafts: list[int] = []
         rows: list[np.ndarray] = []
-        logits = self._over_target_ids(self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1])[0])
+        logits = self._over_target_ids(self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1],
+                                                             seq=self.seq)[0])
         self._cached.extend(context[keep:])
         p_cum = 1.0
         for i in range(k):
@@ -143,7 +159,7 @@ class ModelDrafter(DrafterBase):
             if i + 1 < k and self.keep_drafting is not None and not self.keep_drafting(i + 1, p_cum):
                 break
             if i + 1 < k:
-                logits = self._over_target_ids(self.backend.forward([tok], logits_for=[0])[0])
+                logits = self._over_target_ids(self.backend.forward([tok], logits_for=[0], seq=self.seq)[0])
                 self._cached.append(tok)
         probs = np.stack(rows) if rows else None
         return Draft(drafts, probs)
@@ -164,5 +180,5 @@ class ModelDrafter(DrafterBase):
     def finish(self, committed: Sequence[int]) -> None:
         """End of a generation: drop cached tokens that are not part of the committed output."""
         keep = common_prefix_len(self._cached, committed)
-        self.backend.rollback(keep)
+        self.backend.rollback(keep, seq=self.seq)
         del self._cached[keep:]

@@ -55,6 +55,10 @@ class NgramDrafter(DrafterBase):
         self.last_match_len = 0  # match length behind the latest proposal (0: none)
         self._memo = ContextMemo(self._lookup)
 
+    def fork(self, seq: int) -> "NgramDrafter":
+        """The same lookup for another generation (it only reads that generation's context)."""
+        return NgramDrafter(self.max_ngram, self.min_ngram, self.max_match)
+
     def start(self, prompt_ids: Sequence[int], sampler) -> None:
         self.last_match_len = 0
         self._memo.clear()

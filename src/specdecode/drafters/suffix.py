@@ -147,6 +147,14 @@ class SuffixDrafter(DrafterBase):
 
     # -- the Drafter protocol --------------------------------------------------------
 
+    def fork(self, seq: int) -> "SuffixDrafter":
+        """A suffix drafter with the same settings and its own history, for another
+        concurrent generation (one history buffer cannot hold two live requests): each
+        slot learns from the requests it served; a slot is chosen by the longest cached
+        prefix, so repeats of a prompt tend to meet their history."""
+        return SuffixDrafter(self.max_depth, self.max_history_tokens, self.min_confidence, self.max_spec_factor,
+                             self.max_draft, self.max_candidates)
+
     def start(self, prompt_ids: Sequence[int], sampler) -> None:
         self._reset_live()
 
