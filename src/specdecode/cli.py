@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import __version__, models
-from .bench.cli import add_bench_parser
+from .bench.cli import add_bench_parser, add_bench_serve_parser
 from .errors import SpecDecodeError
 from .grammar import Grammar
 from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs
@@ -253,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_bench_serve_parser(sub)
     return p
 
 

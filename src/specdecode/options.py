@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from . import models
 from .errors import SpecDecodeError
 from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEVICES, DTYPES,
-                     MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens)
+                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, check_num_speculative_tokens, check_parallel)
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,6 +83,15 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+def add_parallel_option(p: argparse.ArgumentParser) -> None:
+    """--parallel N: slots for concurrent generations (continuous batching)."""
+    p.add_argument("--parallel", "-np", type=int, default=1, metavar="N",
+                   help=f"slots for concurrent requests, batched into shared forward passes (llama.cpp backend; "
+                        f"1..{MAX_PARALLEL}); each slot keeps its own KV cache of --ctx-size tokens and a new "
+                        f"request takes the free slot whose cache shares the longest prefix with its prompt "
+                        f"(default: %(default)s)")
+
+
 def add_sampling_options(p: argparse.ArgumentParser, seed: int | None = None) -> None:
     """The SamplingParams fields as options (--temperature, --top-p, ..., --seed)."""
     defaults = SamplingParams()
@@ -109,13 +118,15 @@ def check_model_args(args: argparse.Namespace) -> None:
         raise SpecDecodeError(f"--ctx-size {args.ctx_size} is out of range: expected >= 2", param="--ctx-size")
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
+    check_parallel(vars(args).get("parallel", 1), "--parallel")
 
 
 def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
     """Keyword arguments of :class:`Decoder` from parsed model options."""
     return dict(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
                 n_ctx=args.ctx_size, n_threads=args.threads, progress=progress, backend=args.backend,
-                draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab)
+                draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab,
+                parallel=vars(args).get("parallel", 1))
 
 
 def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":

@@ -61,3 +61,67 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print_table(result)
     return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench-serve`` subcommand (runs :func:`cmd_bench_serve`)."""
+    from .serve import DEFAULT_CONCURRENCY
+
+    b = subparsers.add_parser(
+        "bench-serve", help="load-test the server: C concurrent clients, the batched server against the one-slot one",
+        description="Drive the OpenAI-compatible server with C concurrent streaming clients (the suite's prompts, "
+                    "greedy) and report aggregate decode tokens/s, time to first token and time per output token "
+                    "(p50/p95) and acceptance per C. Without --url it starts the servers itself, in turn: one slot "
+                    "(the baseline) and --parallel slots, and compares their greedy outputs.")
+    add_model_options(b)
+    b.add_argument("--url", default=None, help="a running server to measure instead (e.g. http://127.0.0.1:8000)")
+    b.add_argument("--api-key", default=None, help="its API key, if it needs one")
+    b.add_argument("--parallel", "-np", type=int, default=8, metavar="N",
+                   help="slots of the batched server started here (default: %(default)s)")
+    b.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="do not also start the one-slot server")
+    b.add_argument("--concurrency", type=_int_list, default=DEFAULT_CONCURRENCY, metavar="LIST",
+                   help="comma-separated client counts (default: %s)" % ",".join(map(str, DEFAULT_CONCURRENCY)))
+    b.add_argument("--requests", type=int, default=None, help="requests per client count (default: every prompt once)")
+    b.add_argument("--prompts", default=None, help="JSON Lines prompt file (default: the built-in suite)")
+    b.add_argument("--categories", default=None, help="comma-separated categories (default: all but json_schema)")
+    b.add_argument("--per-category", type=int, default=2, help="prompts per category (default: %(default)s)")
+    b.add_argument("--max-tokens", type=int, default=64, help="completion cap per request (default: %(default)s)")
+    b.add_argument("--out", default=None, help="folder for serve_results.json, serve_results.md and PNG plots")
+    b.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.set_defaults(func=cmd_bench_serve)
+    return b
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Run bench-serve; write --out files; print the table (or JSON). Returns 0."""
+    from .serve import SERVE_CATEGORIES, ServeBenchConfig, run_serve_bench
+    from .serve_report import print_table as print_serve_table
+    from .serve_report import write_outputs as write_serve_outputs
+
+    check_model_args(args)
+    cfg = ServeBenchConfig(
+        url=args.url, api_key=args.api_key, target=args.target, draft=args.draft,
+        num_speculative_tokens=args.num_speculative_tokens, n_ctx=args.ctx_size, n_threads=args.threads,
+        slots=(1, args.parallel) if args.baseline else (args.parallel,), concurrency=args.concurrency,
+        requests=args.requests, prompts=args.prompts,
+        categories=tuple(args.categories.split(",")) if args.categories else SERVE_CATEGORIES,
+        per_category=args.per_category, max_tokens=args.max_tokens, progress=not args.quiet,
+        extra=dict(backend=args.backend, draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
+                   draft_vocab=args.draft_vocab))
+    result = run_serve_bench(cfg)
+    if args.out:
+        write_serve_outputs(result, Path(args.out))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_serve_table(result)
+    return 0

@@ -279,7 +279,7 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": model_name, "waiting": worker.queue_len(),
-                             "running": worker.running(), "max_queue": max_queue})
+                             "running": worker.running(), "slots": worker.slots, "max_queue": max_queue})
 
     async def prometheus_metrics(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)

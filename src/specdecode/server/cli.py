@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import SpecDecodeError
-from ..options import add_model_options, decoder_from_args
+from ..options import add_model_options, add_parallel_option, decoder_from_args
 from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -55,8 +55,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with decoder_from_args(args, progress=True) as dec:
         app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True, api_key=api_key,
                          max_body_bytes=args.max_body_bytes)
-        print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}) "
-              f"on http://{args.host}:{args.port}/v1", flush=True)
+        print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}, "
+              f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{args.host}:{args.port}/v1",
+              flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -72,10 +73,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                           "/v1/chat/completions, /v1/models, /health, /metrics). Clients send "
                                           "--target as the model id.")
     add_model_options(s)
+    add_parallel_option(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="requests that may wait besides the running one; more get 429 (default: %(default)s)")
+                   help="requests that may wait besides the running ones; more get 429 (default: %(default)s)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every /v1 request (401 otherwise; /health and "
                         f"/metrics stay open). Default: ${API_KEY_ENV} if set, else no authentication. The "

@@ -52,7 +52,7 @@ class Metrics:
         self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to the start of generation.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         Gauge(p + "num_requests_waiting", "Requests waiting in the queue.", registry=r).set_function(queue_len)
-        Gauge(p + "num_requests_running", "Requests being generated (0 or 1).", registry=r).set_function(running)
+        Gauge(p + "num_requests_running", "Requests being generated (0..slots).", registry=r).set_function(running)
 
     def record(self, results: Sequence[Any], arrival: float, first: float, end: float) -> None:
         """Count one finished request: its choices' GenerationResults (n of them, generated

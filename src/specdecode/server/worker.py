@@ -1,4 +1,5 @@
-"""The generation worker: one thread runs every generation, one at a time, in arrival order.
+"""The generation worker: one thread runs every generation, several at once in shared
+batched steps (continuous batching), admitting requests in arrival order.
 
 The engine is not thread-safe, so the loaded decoder is used from this thread only; text
 deltas travel to the asyncio side through each job's event queue.
@@ -48,11 +49,32 @@ class Job:
             pass
 
 
+@dataclass(eq=False)
+class _Running:
+    """A job holding a slot: its current choice's generation and what it has produced."""
+
+    job: Job
+    logprobs: "_LogprobsFormat | None"
+    index: int = 0  # the choice being generated
+    max_tokens: int = 0
+    gen: Any = None  # the engine's Generation of this choice
+    results: list = field(default_factory=list)  # (GenerationResult, logprobs object or None) per finished choice
+    first: float | None = None  # when the job's first step came back
+
+
 class Worker:
-    """Runs generations one at a time, in arrival order, in a dedicated thread.
+    """Runs every generation on one thread, several at once (continuous batching).
+
+    The engine has ``slots`` (the decoder's ``parallel``); each running request holds one.
+    Between two batched steps the loop admits waiting requests into free slots (in
+    arrival order; the engine puts each in the free slot whose cache shares the longest
+    prefix with its prompt and prefills it), ends finished and cancelled generations
+    (freeing their slots at once), and then runs one step for every running generation:
+    one shared target forward. With one slot this is the one-at-a-time server. A request's
+    n choices run one after another in its slot.
 
     decoder: a :class:`specdecode.api.Decoder` (used from this thread only).
-    max_queue: how many requests may wait besides the running one (>= 1).
+    max_queue: how many requests may wait besides the running ones (>= 1).
     metrics_factory: builds the server's Metrics from this worker (whose queue length and
         running count its gauges read).
     warmup: run one tiny generation when the thread starts.
@@ -64,20 +86,21 @@ class Worker:
         self.max_queue = max_queue
         self.warmup = warmup
         self.n_ctx = int(decoder.target.n_ctx)
+        self.slots = len(decoder.engine.slots)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._active: list[_Running] = []
         self._stop = False
         self._thread: threading.Thread | None = None
         self.metrics = metrics_factory(self)
 
     def queue_len(self) -> int:
-        """Requests waiting (the running one excluded)."""
+        """Requests waiting (the running ones excluded)."""
         return len(self._waiting)
 
     def running(self) -> int:
-        """1 while a generation runs, else 0."""
-        return 1 if self._running is not None else 0
+        """Requests holding a slot (0..slots)."""
+        return len(self._active)
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -89,7 +112,7 @@ class Worker:
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and stop the thread.
 
-        Waiting jobs get a 503 error event; the running one stops after its current step.
+        Waiting jobs get a 503 error event; running ones stop after the current step.
         timeout: seconds to wait for the thread to end.
         """
         with self._cond:
@@ -98,8 +121,8 @@ class Worker:
                 job.cancelled.set()
                 job.post("error", APIError(503, "the server is shutting down", type="server_error"))
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancelled.set()
+            for r in self._active:
+                r.job.cancelled.set()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -114,7 +137,7 @@ class Worker:
             return True
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop the job if it waits, stop it after this step if it runs."""
+        """The client is gone: drop the job if it waits, free its slot after this step if it runs."""
         with self._cond:
             if job.cancelled.is_set():
                 return
@@ -134,91 +157,131 @@ class Worker:
                 self.decoder.generate("Hello", max_tokens=2)
         while True:
             with self._cond:
-                while not self._waiting and not self._stop:
+                while not self._waiting and not self._active and not self._stop:
                     self._cond.wait()
-                if self._stop:
-                    return
-                job = self._waiting.popleft()
-                self._running = job
+                stopping = self._stop
+                admitted = []
+                while not stopping and self._waiting and len(self._active) < self.slots:
+                    job = self._waiting.popleft()
+                    r = _Running(job, _LogprobsFormat(job.req.kind, self.decoder.target.token_bytes)
+                                 if job.req.logprobs is not None else None)
+                    self._active.append(r)
+                    admitted.append(r)
+            if stopping:
+                for r in list(self._active):
+                    self._guarded(r, self._cancelled)
+                return
             try:
-                self._run(job)
+                for r in admitted:
+                    self.metrics.queue_time.observe(time.perf_counter() - r.job.arrival)
+                    self._guarded(r, self._start)
+                for r in list(self._active):
+                    if r.job.cancelled.is_set():
+                        self._guarded(r, self._cancelled)
+                self._step()
             except BaseException as e:  # never let the worker die: the next request must be served
-                job.post("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
-            finally:
-                with self._cond:
-                    self._running = None
+                for r in list(self._active):
+                    self._fail(r, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
-    def _run(self, job: Job) -> None:
-        req, dec = job.req, self.decoder
-        self.metrics.queue_time.observe(time.perf_counter() - job.arrival)
-        first: list[float] = []  # when the first choice's first step came back
-        results = []
+    def _guarded(self, r: _Running, action: Callable[[_Running], None]) -> None:
+        """Run action(r); a failure ends this job alone with its error (400 for what the
+        request itself got wrong, else 500)."""
         try:
-            ids = dec.prompt_ids(req.prompt, req.messages)
-            max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
-            for i in range(req.n):
-                done = self._choice(job, i, max_tokens, first)
-                if done is None:
-                    break
-                results.append(done)
-                if i < req.n - 1:
-                    job.post("choice", (i, *done))
+            action(r)
         except SpecDecodeError as e:
             self.metrics.rejected.labels(reason="invalid_request").inc()
             # The fields were checked on arrival; what is left concerns the prompt itself.
-            job.post("error", from_specdecode_error(e, "prompt" if req.kind == "completion" else "messages"))
-            return
+            self._fail(r, from_specdecode_error(e, "prompt" if r.job.req.kind == "completion" else "messages"))
         except TemplateError as e:  # the chat template's own checks (e.g. roles must alternate)
             self.metrics.rejected.labels(reason="invalid_request").inc()
-            job.post("error", APIError(400, f"the model's chat template rejected the messages: {e}", param="messages"))
-            return
+            self._fail(r, APIError(400, f"the model's chat template rejected the messages: {e}", param="messages"))
         except APIError as e:
             self.metrics.rejected.labels(reason="invalid_request").inc()
-            job.post("error", e)
+            self._fail(r, e)
+        except Exception as e:
+            self._fail(r, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    def _fail(self, r: _Running, error: APIError) -> None:
+        """End the job with an error event and free its slot."""
+        self._release(r)
+        r.job.post("error", error)
+
+    def _release(self, r: _Running) -> None:
+        if r.gen is not None:
+            gen, r.gen = r.gen, None
+            with contextlib.suppress(Exception):
+                self.decoder.end(gen)  # rolls the caches back
+        with self._cond:
+            if r in self._active:
+                self._active.remove(r)
+
+    def _start(self, r: _Running) -> None:
+        """Tokenize the job's prompt and begin its first choice (prefilled in its slot)."""
+        req = r.job.req
+        if r.job.cancelled.is_set():
+            return self._cancelled(r)
+        ids = self.decoder.prompt_ids(req.prompt, req.messages)
+        r.max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
+        self._begin_choice(r)
+
+    def _begin_choice(self, r: _Running) -> None:
+        req = r.job.req
+        r.gen = self.decoder.begin(req.prompt, messages=req.messages, max_tokens=r.max_tokens,
+                                   **req.choice_sampling(r.index))
+
+    def _cancelled(self, r: _Running) -> None:
+        self._release(r)
+        self.metrics.aborted.inc()
+        # Read only when someone still listens: a client whose stream outlives a shutdown.
+        r.job.post("error", APIError(503, "the request was cancelled (client gone or server shutting down)",
+                                     type="server_error"))
+
+    def _step(self) -> None:
+        """One batched step of every running generation; post their deltas; finish the
+        choices that are done."""
+        running = [r for r in self._active if r.gen is not None and not r.gen.done]
+        if running:
+            deltas = self.decoder.step([r.gen for r in running])
+            now = time.perf_counter()
+            for r, delta in zip(running, deltas):
+                if r.first is None:
+                    r.first = now
+                self._post_delta(r, delta)
+        for r in [r for r in self._active if r.gen is not None and r.gen.done]:
+            self._guarded(r, self._finish_choice)
+
+    def _post_delta(self, r: _Running, delta: Any) -> None:
+        if r.job.req.stream and (delta or delta.token_ids):
+            # The logprobs of the tokens this delta completes (a TextDelta's).
+            lp = r.logprobs.format(delta.logprobs or []) if r.logprobs is not None else None
+            r.job.post("delta", (r.index, str(delta), lp))
+
+    def _finish_choice(self, r: _Running) -> None:
+        """The current choice is done: post its tail and result, then begin the next choice
+        or finish the job (metrics, last choice)."""
+        gen, r.gen = r.gen, None
+        *tail, result = self.decoder.end(gen)
+        for delta in tail:
+            self._post_delta(r, delta)
+        req = r.job.req
+        # A stream has sent every logprob with its delta; a full response carries them all.
+        lp = None if r.logprobs is None or req.stream else r.logprobs.format(result.logprobs or [])
+        r.results.append((result, lp))
+        if r.index < req.n - 1:
+            r.job.post("choice", (r.index, result, lp))
+            r.index += 1
+            if r.job.cancelled.is_set():
+                return self._cancelled(r)
+            r.logprobs = _LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None \
+                else None
+            self._begin_choice(r)
             return
         end = time.perf_counter()
-        if len(results) < req.n:
-            self.metrics.aborted.inc()
-            # Read only when someone still listens: a client whose stream outlives a shutdown.
-            job.post("error", APIError(503, "the request was cancelled (client gone or server shutting down)",
-                                       type="server_error"))
-            return
+        self._release(r)
         # Counted before the last choice is posted: a client that reads the metrics once
         # answered sees its request in them.
-        self.metrics.record([result for result, _ in results], job.arrival, first[0] if first else end, end)
-        job.post("choice", (req.n - 1, *results[-1]))
-
-    def _choice(self, job: Job, index: int, max_tokens: int, first: list[float]) -> tuple[Any, dict | None] | None:
-        """Generate choice ``index`` of the job, posting its deltas (streams). Returns
-        (GenerationResult, logprobs object or None: a stream has sent them with its
-        deltas), or None when the job was cancelled. first: gets the time of the
-        request's first step."""
-        req = job.req
-        if job.cancelled.is_set():  # gone between two choices: start no other
-            return None
-        logprobs = _LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None else None
-        gen = self.decoder.stream(req.prompt, messages=req.messages, max_tokens=max_tokens,
-                                  **req.choice_sampling(index))
-        result = None
-        try:
-            for item in gen:
-                if not first:
-                    first.append(time.perf_counter())
-                if job.cancelled.is_set():
-                    return None
-                if isinstance(item, str):
-                    if req.stream:
-                        # The logprobs of the tokens this delta completes (a TextDelta's).
-                        lp = logprobs.format(getattr(item, "logprobs", None) or []) if logprobs is not None else None
-                        job.post("delta", (index, str(item), lp))
-                else:
-                    result = item
-        finally:
-            gen.close()  # rolls the caches back when stopped early
-        if result is None:
-            return None
-        # A stream has sent every logprob with its delta; a full response carries them all.
-        return result, None if logprobs is None or req.stream else logprobs.format(result.logprobs or [])
+        self.metrics.record([res for res, _ in r.results], r.job.arrival, r.first or end, end)
+        r.job.post("choice", (r.index, result, lp))
 
 
 class _LogprobsFormat:

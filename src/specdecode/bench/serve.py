@@ -1,0 +1,312 @@
+"""``specdecode bench-serve``: a load benchmark of the OpenAI-compatible server.
+
+C concurrent clients (for each C in the list) send the suite's prompts to a server, each
+client one request at a time, streaming; per request the time to first token (TTFT,
+send to first text chunk), the time per output token (TPOT, (last - first chunk) /
+(completion tokens - 1)), the completion tokens and the speculation statistics are
+recorded. Per C: aggregate decode tokens/s (all completion tokens / wall time from the
+first send to the last end), TTFT and TPOT p50/p95, the largest TTFT (no request starved),
+and acceptance. Self-started servers are measured side by side in one run: the one-slot
+server (the baseline) and the batched one (``--parallel``); a running server is measured
+at ``--url``. Greedy outputs of the batched server are compared with the one-slot
+server's at concurrency 1 (each request alone): equal, or first different where the solo
+run's two most likely tokens are within NEAR_TIE_GAP (a batch's kernels differ from a
+lone sequence's), else divergent.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import SpecDecodeError
+from ..limits import DEFAULT_N_CTX, MAX_PARALLEL
+from ..parity import NEAR_TIE_GAP
+from .suite import BenchPrompt, load_prompts, select_prompts
+
+DEFAULT_CONCURRENCY = (1, 8)
+SERVE_CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat")
+
+
+@dataclass
+class ServeBenchConfig:
+    """What bench-serve runs. url: a running server (None: start one per slot count in
+    ``slots``, in this process). concurrency: client counts. requests: requests per
+    concurrency level (default: every selected prompt once, at least C)."""
+
+    url: str | None = None
+    api_key: str | None = None
+    model: str | None = None  # the id a running server expects (default: from its /v1/models)
+    target: str = "qwen2.5-coder-1.5b-instruct"
+    draft: str = "auto"
+    num_speculative_tokens: int | str = "auto"
+    n_ctx: int = DEFAULT_N_CTX
+    n_threads: int | None = None
+    slots: tuple[int, ...] = (1, 8)
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    requests: int | None = None
+    prompts: str | None = None
+    categories: tuple[str, ...] | None = SERVE_CATEGORIES
+    per_category: int | None = 2
+    max_tokens: int = 64
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # further Decoder options for self-started servers
+
+
+def check_config(cfg: ServeBenchConfig) -> None:
+    """Range checks before anything loads. Raises SpecDecodeError naming the option."""
+    if not cfg.concurrency or any(c < 1 for c in cfg.concurrency):
+        raise SpecDecodeError(f"--concurrency {','.join(map(str, cfg.concurrency))} is out of range: "
+                              f"expected positive integers", param="--concurrency")
+    if cfg.url is None and any(not 1 <= s <= MAX_PARALLEL for s in cfg.slots):
+        raise SpecDecodeError(f"--parallel {max(cfg.slots)} is out of range: expected 1..{MAX_PARALLEL}",
+                              param="--parallel")
+    if cfg.requests is not None and cfg.requests < 1:
+        raise SpecDecodeError(f"--requests {cfg.requests} is out of range: expected >= 1", param="--requests")
+    if cfg.max_tokens < 1:
+        raise SpecDecodeError(f"--max-tokens {cfg.max_tokens} is out of range: expected >= 1", param="--max-tokens")
+
+
+@dataclass
+class RequestRecord:
+    """One request as a client saw it (seconds from time.perf_counter())."""
+
+    prompt_id: str
+    sent: float
+    first: float | None
+    end: float
+    completion_tokens: int
+    tokens: list[str]
+    top2_gaps: list[float | None]
+    speculation: dict
+    error: str | None = None
+
+
+def _body(p: BenchPrompt, model: str, max_tokens: int) -> tuple[str, dict]:
+    """The endpoint and the greedy, streamed request body of a suite prompt (logprobs on, for
+    the parity check)."""
+    common = {"model": model, "max_tokens": p.max_tokens if p.max_tokens < max_tokens else max_tokens,
+              "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if p.messages is not None:
+        return "/v1/chat/completions", {**common, "messages": p.messages, "logprobs": True, "top_logprobs": 2}
+    return "/v1/completions", {**common, "prompt": p.prompt, "logprobs": 2}
+
+
+def _gap(tops: list[float]) -> float | None:
+    tops = sorted(tops, reverse=True)
+    return tops[0] - tops[1] if len(tops) > 1 else None
+
+
+def _send(client, p: BenchPrompt, model: str, max_tokens: int) -> RequestRecord:
+    """One streamed request; parses the server-sent events as they arrive."""
+    import httpx
+
+    path, body = _body(p, model, max_tokens)
+    sent = time.perf_counter()
+    first, tokens, gaps, usage, spec = None, [], [], {}, {}
+    try:
+        with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return RequestRecord(p.id, sent, None, time.perf_counter(), 0, [], [], {},
+                                     error=f"HTTP {r.status_code}: {r.text[:200]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                spec = chunk.get("speculation") or spec
+                for ch in chunk.get("choices", []):
+                    text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    if text and first is None:
+                        first = time.perf_counter()
+                    lp = ch.get("logprobs") or {}
+                    if "content" in lp:  # chat
+                        for e in lp["content"] or []:
+                            tokens.append(e["token"])
+                            gaps.append(_gap([t["logprob"] for t in e["top_logprobs"]]))
+                    elif lp.get("tokens"):
+                        tokens += lp["tokens"]
+                        gaps += [_gap(list(t.values())) for t in lp["top_logprobs"]]
+    except httpx.HTTPError as e:
+        return RequestRecord(p.id, sent, first, time.perf_counter(), 0, tokens, gaps, spec, error=str(e))
+    return RequestRecord(p.id, sent, first, time.perf_counter(), int(usage.get("completion_tokens", 0)), tokens,
+                         gaps, spec)
+
+
+def run_load(url: str, prompts: Sequence[BenchPrompt], concurrency: int, n_requests: int, model: str,
+             max_tokens: int, api_key: str | None = None) -> list[RequestRecord]:
+    """C clients, each sending one request at a time, until n_requests were sent (prompts
+    in turn)."""
+    import httpx
+
+    todo: queue.Queue = queue.Queue()
+    for i in range(n_requests):
+        todo.put(prompts[i % len(prompts)])
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def client_loop() -> list[RequestRecord]:
+        out = []
+        with httpx.Client(base_url=url, timeout=600, headers=headers) as c:
+            while True:
+                try:
+                    p = todo.get_nowait()
+                except queue.Empty:
+                    return out
+                out.append(_send(c, p, model, max_tokens))
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return [r for rs in pool.map(lambda _: client_loop(), range(concurrency)) for r in rs]
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict:
+    """Aggregate figures of one load level (see the module docstring); seconds and tokens."""
+    ok = [r for r in records if r.error is None]
+    if not ok:
+        return {"requests": len(records), "errors": len(records), "first_error": records[0].error if records else None}
+    wall = max(r.end for r in ok) - min(r.sent for r in ok)
+    ttft = np.array([(r.first or r.end) - r.sent for r in ok])
+    tpot = np.array([(r.end - r.first) / (r.completion_tokens - 1) for r in ok
+                     if r.first is not None and r.completion_tokens > 1])
+    tokens = sum(r.completion_tokens for r in ok)
+    drafted = sum(int(r.speculation.get("drafted", 0)) for r in ok)
+    accepted = sum(int(r.speculation.get("accepted", 0)) for r in ok)
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return round(float(np.percentile(a, q)), 4) if len(a) else None
+
+    return {
+        "requests": len(records), "errors": len(records) - len(ok), "completion_tokens": tokens,
+        "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
+        "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_max_s": round(float(ttft.max()), 4),
+        "tpot_p50_s": pct(tpot, 50), "tpot_p95_s": pct(tpot, 95),
+        "drafted": drafted, "accepted": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+    }
+
+
+def parity(batched: Sequence[RequestRecord], solo: Sequence[RequestRecord]) -> dict:
+    """Greedy outputs of one load level against the same prompts run alone: counts of
+    exact, near-tie (first difference where the solo run's top-2 logprob gap <=
+    NEAR_TIE_GAP) and divergent outputs, with the divergent prompt ids."""
+    ref = {r.prompt_id: r for r in solo if r.error is None}
+    out = {"exact": 0, "near_tie": 0, "divergent": 0, "divergent_ids": []}
+    for r in batched:
+        s = ref.get(r.prompt_id)
+        if s is None or r.error is not None:
+            continue
+        if r.tokens == s.tokens:
+            out["exact"] += 1
+            continue
+        j = next((i for i in range(min(len(r.tokens), len(s.tokens))) if r.tokens[i] != s.tokens[i]),
+                 min(len(r.tokens), len(s.tokens)))
+        gap = s.top2_gaps[j] if j < len(s.top2_gaps) else None
+        if gap is not None and gap <= NEAR_TIE_GAP:
+            out["near_tie"] += 1
+        else:
+            out["divergent"] += 1
+            out["divergent_ids"].append(r.prompt_id)
+    return out
+
+
+class _Server:
+    """A self-started server: a Decoder with ``slots`` slots behind uvicorn on a free
+    loopback port, in a daemon thread."""
+
+    def __init__(self, cfg: ServeBenchConfig, slots: int, max_queue: int) -> None:
+        import uvicorn
+
+        from ..api import Decoder
+        from ..server import create_app
+
+        self.decoder = Decoder(target=cfg.target, draft=cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
+                               n_ctx=cfg.n_ctx, n_threads=cfg.n_threads, progress=cfg.progress, parallel=slots,
+                               **cfg.extra)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        app = create_app(self.decoder, max_queue=max_queue, warmup=True)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "_Server":
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise SpecDecodeError("the benchmark's server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.decoder.close()
+
+
+def _model_id(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise SpecDecodeError(f"no OpenAI-compatible server answers at {url}: {e}", param="--url") from None
+
+
+def run_serve_bench(cfg: ServeBenchConfig) -> dict:
+    """Run the load benchmark; returns {"config", "servers": {label: {C: summary}},
+    "parity": {C: counts}, "speedup": {C: batched / one-slot tokens/s}}.
+    Raises SpecDecodeError for bad options or an unreachable server."""
+    from tqdm import tqdm
+
+    check_config(cfg)
+    prompts = select_prompts(load_prompts(cfg.prompts), cfg.categories, cfg.per_category)
+    levels = sorted(set(cfg.concurrency))
+    n_req = {c: cfg.requests or max(c, len(prompts)) for c in levels}
+    result: dict[str, Any] = {"config": {k: v for k, v in vars(cfg).items() if k not in ("api_key", "extra")},
+                              "prompts": len(prompts), "servers": {}, "records": {}}
+    targets: list[tuple[str, int | None]] = [("server", None)] if cfg.url else \
+        [(f"{s} slot{'s' if s > 1 else ''}", s) for s in sorted(set(cfg.slots))]
+    bar = tqdm(total=len(targets) * len(levels), desc="bench-serve", disable=not cfg.progress)
+    for label, slots in targets:
+        runs, recs = {}, {}
+        if slots is None:
+            url, model, ctx = cfg.url.rstrip("/"), cfg.model or _model_id(cfg.url, cfg.api_key), None
+        else:
+            ctx = _Server(cfg, slots, max_queue=max(levels) + 1)
+            url, model = ctx.url, cfg.target
+            ctx.__enter__()
+        try:
+            for c in levels:
+                bar.set_postfix_str(f"{label}, {c} client{'s' if c > 1 else ''}")
+                recs[c] = run_load(url, prompts, c, n_req[c], model, cfg.max_tokens, cfg.api_key)
+                runs[c] = summarize(recs[c])
+                bar.update()
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        result["servers"][label] = runs
+        result["records"][label] = recs
+    bar.close()
+    labels = list(result["servers"])
+    base, top = labels[0], labels[-1]
+    solo = result["records"][base].get(1)
+    result["parity"] = {c: parity(result["records"][top][c], solo) for c in levels} if solo else {}
+    if len(labels) > 1:
+        result["speedup"] = {c: round(result["servers"][top][c]["tokens_per_s"] /
+                                      result["servers"][base][c]["tokens_per_s"], 3)
+                             for c in levels if result["servers"][base][c].get("tokens_per_s")
+                             and result["servers"][top][c].get("tokens_per_s")}
+    result["records"] = {lab: {c: [vars(r) for r in rs] for c, rs in recs.items()}
+                         for lab, recs in result["records"].items()}
+    return result
