@@ -194,6 +194,7 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.model_name = model_name
+    app.state.replica = None  # set by a Ray Serve replica (server.ray_serve)
     if api_key is not None:
         app.add_middleware(_APIKeyGuard, api_key=api_key,
                            on_reject=lambda: metrics.rejected.labels(reason="unauthorized").inc())
@@ -279,7 +280,8 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": model_name, "waiting": worker.queue_len(),
-                             "running": worker.running(), "slots": worker.slots, "max_queue": max_queue})
+                             "running": worker.running(), "slots": worker.slots, "max_queue": max_queue,
+                             "replica": app.state.replica})
 
     async def prometheus_metrics(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)

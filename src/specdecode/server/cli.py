@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import SpecDecodeError
-from ..options import add_model_options, add_parallel_option, decoder_from_args
+from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
 from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -52,6 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             print(f"specdecode: serving on {args.host}: the API key protects /v1; /health and /metrics stay open",
                   flush=True)
+    if args.replicas is not None or args.autoscaling is not None:
+        return _serve_on_ray(args, api_key)
     with decoder_from_args(args, progress=True) as dec:
         app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True, api_key=api_key,
                          max_body_bytes=args.max_body_bytes)
@@ -59,6 +61,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{args.host}:{args.port}/v1",
               flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
+    """--replicas / --autoscaling: the app as a Ray Serve deployment (server.ray_serve)."""
+    import json
+
+    from .ray_serve import serve_replicas
+
+    check_model_args(args)
+    if args.replicas is not None and args.replicas < 1:
+        raise SpecDecodeError(f"--replicas {args.replicas} is out of range: expected >= 1", param="--replicas")
+    autoscaling = None
+    if args.autoscaling is not None:
+        try:
+            autoscaling = json.loads(args.autoscaling)
+        except ValueError as e:
+            raise SpecDecodeError(f"--autoscaling is not valid JSON: {e}", param="--autoscaling") from None
+        if not isinstance(autoscaling, dict):
+            raise SpecDecodeError("--autoscaling must be a JSON object (Ray Serve's autoscaling_config)",
+                                  param="--autoscaling")
+    kwargs = decoder_kwargs(args, progress=False)
+    if kwargs["n_threads"] is None:  # share the cores among the replicas of this machine
+        from ..backends.llama_cpp import default_threads
+
+        kwargs["n_threads"] = max(1, default_threads() // (args.replicas or 1))
+    serve_replicas(kwargs, args.target, args.host, args.port, args.replicas or 1, args.max_queue, api_key,
+                   args.max_body_bytes, autoscaling=autoscaling, metrics_port=args.metrics_port)
     return 0
 
 
@@ -84,5 +114,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         f"environment variable keeps the key out of the process list")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body read, in bytes; a larger one gets 413 (default: %(default)s = 4 MiB)")
+    s.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N replicas of this server as a Ray Serve deployment behind Ray's HTTP proxy on "
+                        "--host/--port (needs pip install -e '.[ray]'; each replica loads the models and runs "
+                        "--parallel slots; threads default to the cores / N)")
+    s.add_argument("--autoscaling", default=None, metavar="JSON",
+                   help="Ray Serve's autoscaling_config as JSON, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}' "
+                        "(implies Ray Serve; replaces --replicas)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="with Ray Serve: each replica also serves its own /metrics on PORT + its rank")
     s.set_defaults(func=cmd_serve)
     return s
