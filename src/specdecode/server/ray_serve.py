@@ -65,11 +65,8 @@ def build_deployment(decoder_kwargs: dict, model_name: str, replicas: int = 1, m
         from ..api import Decoder
         from .app import create_app
 
-        rank = 0
-        try:
-            rank = int(serve.get_replica_context().rank)
-        except Exception:  # older Ray without ranks: the replica's own metrics port is then the base
-            pass
+        rank = serve.get_replica_context().rank  # an int, or (Ray >= 2.50) a ReplicaRank with .rank
+        rank = int(getattr(rank, "rank", rank))
         decoder = Decoder(**{**decoder_kwargs, "progress": False})
         app = create_app(decoder, model_name=model_name, max_queue=max_queue, warmup=True, api_key=api_key,
                          max_body_bytes=max_body_bytes)
