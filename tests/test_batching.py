@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdecode.controller import Source, SpeculationController
-from specdecode.costmodel import CostCurve
-from specdecode.drafters import BatchLoad, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter
+from specdecode.controller import SharedCosts, Source, SpeculationController
+from specdecode.costmodel import CostCurve, allocate_drafts, expected_tokens_upto
+from specdecode.drafters import ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
@@ -229,21 +229,39 @@ def test_a_batched_step_is_one_forward():
     assert t.batch_sizes[before:] == [4] and len(t.forward_calls) == before + 1
 
 
-def test_the_controller_sizes_drafts_for_the_batch():
-    # T(n): a step of 8 tokens costs as much as one of 16 (the batch fills a kernel tile),
-    # and going past 16 is steep: with 8 generations in the forward, one more token each is nearly free.
-    curve = CostCurve((1, 2, 8, 16, 24, 33, 64), (0.034, 0.065, 0.220, 0.225, 0.60, 0.80, 1.50))
+def test_the_batch_planner_fills_the_forward_to_the_sizes_the_curve_rewards():
+    # T(n): a forward of 8 tokens costs nearly as much as one of 16 (a kernel tile), and
+    # 17+ is steep. Alone, one draft at acceptance 0.5 does not pay (T(2) is nearly 2 T(1));
+    # beside 7 others, one draft each (16 tokens) is nearly free and pays.
+    curve = CostCurve((1, 2, 8, 9, 16, 17, 24, 33, 64), (0.034, 0.065, 0.209, 0.224, 0.241, 0.30, 0.37, 0.45, 0.74))
+    costs = SharedCosts(curve, 33)
+    half = [np.diff(expected_tokens_upto(0.5, 4))]  # marginal gains 0.5, 0.25, 0.125, 0.0625
+    assert allocate_drafts(half, [1e-5], 1, 1.0, costs.upto) == [0]
+    assert allocate_drafts(half * 8, [1e-5] * 8, 8, 8.0, costs.upto) == [1] * 8
+    # The likelier drafts get the room: a generation at 0.9 drafts more than one at 0.3.
+    mixed = [np.diff(expected_tokens_upto(0.9, 8)), np.diff(expected_tokens_upto(0.3, 8))] * 4
+    k = allocate_drafts(mixed, [1e-5] * 8, 8, 8.0, costs.upto)
+    assert all(k[i] > k[i + 1] for i in range(0, 8, 2)) and sum(k) <= 8 + 1
+    # Drafting cost counts: drafts that cost more than they save are not made.
+    assert allocate_drafts(half * 8, [0.05] * 8, 8, 8.0, costs.upto) == [0] * 8
+
+
+def test_the_engine_plans_the_batch_through_the_controllers_offers():
+    curve = CostCurve((1, 2, 8, 9, 16, 17, 33, 64), (0.034, 0.065, 0.209, 0.224, 0.241, 0.30, 0.45, 0.74))
     c = SpeculationController([Source(NgramDrafter(), 1e-5)], curve, kmax=8)
-    s = c.sources[0]
-    alone, _ = c.plan(s, 8, alpha=0.5)
-    assert alone == 0  # alone, a draft at alpha 0.5 does not pay: T(2) is nearly 2 T(1)
-    in_batch, _ = c.plan(s, 8, alpha=0.5, load=BatchLoad(tokens=8, expected=8.0))
-    assert in_batch >= 1  # beside 7 others (8 tokens in the forward), drafts up to 16 are nearly free
-    busy, _ = c.plan(s, 8, alpha=0.5, load=BatchLoad(tokens=16, expected=16.0))
-    assert busy == 0  # at 16 tokens, the next one starts the steep part
+    t = BigramLM(n_seq=8)
+    engine = SpeculativeEngine(t, c, 8)
+    prompts = [[1 + i, 2, 3, 4, 5, 1 + i, 2, 3] for i in range(8)]  # prompt lookup has a match in each
+    gens = [engine.begin(p, max_tokens=20) for p in prompts]
+    before = len(t.forward_calls)
+    engine.step(gens)
+    drafted = t.forward_calls[before] - 8
+    assert 1 <= drafted <= 9  # filled towards 16 tokens, not past the steep part
     # A fork has its own acceptance estimates and the shared curve.
     f = c.fork(1)
-    assert f.sources[0].estimator is not s.estimator and f._costs is c._costs
+    assert f.sources[0].bands is not c.sources[0].bands and f._costs is c._costs
+    for g in gens:
+        engine.end(g)
 
 
 def test_forks_refuse_what_they_cannot_share():

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from . import __version__, models
 from .bench.cli import add_bench_parser, add_bench_serve_parser
+from .heads_cli import add_heads_parser
 from .errors import SpecDecodeError
 from .grammar import Grammar
 from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_bench_serve_parser(sub)
+    add_heads_parser(sub)
     return p
 
 

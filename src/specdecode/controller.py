@@ -11,13 +11,14 @@ llama.cpp's --draft-p-min does, but with the threshold derived from the costs).
 The controller is itself a drafter (same protocol), so the engine is unchanged: the
 engine's K is the cap, the controller's proposal length is the K chosen.
 
-In a batched step (continuous batching) the forward is shared: with B tokens already in
-it from the other generations (expected to commit E_B, after D_B seconds of drafting),
-this generation's K maximizes the step's whole rate,
-(E_B - 1 + E(alpha, K)) / (D_B + K * T_draft + T_target(B + K)), so that drafts which do
-not pay at a busy moment are not made; alone (B = 1, E_B = 1, D_B = 0) this is Eq. 1's
-rule above. Acceptance estimates stay per generation (each has its own forked controller);
-the measured curve and its corrections are shared.
+In a batched step (continuous batching) the forward is shared, and K is chosen for the
+whole batch: each generation's controller offers E(alpha, K) for K = 0..cap of its best
+drafter (:meth:`SpeculationController.offer`), and the engine's planner
+(:func:`specdecode.costmodel.allocate_drafts`) picks every generation's K together to
+maximize the step's expected tokens per second, sum E_i(K_i) / (T_target(sum (1 + K_i)) +
+sum K_i T_draft,i), then hands each its quota (:meth:`set_quota`). Acceptance estimates
+stay per generation (each has its own forked controller); the measured curve and its
+corrections are shared.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from .backends.base import Backend
 from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens_upto
-from .drafters import BatchLoad, ContinuationRule, Draft, Drafter, DrafterBase
+from .drafters import ContinuationRule, Draft, Drafter, DrafterBase, DraftOffer
 from .estimators import MATCH_PRIORS, AcceptanceEstimator, TwoRateEstimator, match_band
 from .limits import AUTO_KMAX
 from .sampling import Sampler
@@ -159,7 +160,8 @@ class SpeculationController(DrafterBase):
         self._costs = shared or SharedCosts(ObservedCurve(target_cost) if learn_costs else target_cost, kmax + 1,
                                             on_drift)
         self._base_cost = target_cost
-        self._load: BatchLoad | None = None
+        self._quota: int | None = None  # the batch planner's K for the next proposal
+        self._offered: tuple | None = None  # (source, estimator) of the last offer
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
         for s in self.sources:
@@ -197,9 +199,6 @@ class SpeculationController(DrafterBase):
         sources = [Source(s.drafter.fork(seq), s.draft_cost, prefill_cost=s.prefill_cost) for s in self.sources]
         return SpeculationController(sources, self._base_cost, kmax=self.kmax, probe_every=self.probe_every,
                                      max_probe_gap=self.max_probe_gap, shared=self._costs)
-
-    def set_batch_load(self, load: BatchLoad | None) -> None:
-        self._load = load
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         for s in self.sources:
@@ -252,25 +251,21 @@ class SpeculationController(DrafterBase):
         return [s.name for s in self.sources]
 
     def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None,
-             estimator: AcceptanceEstimator | TwoRateEstimator | None = None,
-             load: BatchLoad | None = None) -> tuple[int, float]:
+             estimator: AcceptanceEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
 
         extra: one-off seconds this step would cost on top (a draft model's catch-up).
         alpha: a per-token acceptance to plan with (Eq. 1); else the estimator's expectation
         (default: the source's overall estimator).
-        load: the batched step's load so far (see the module docstring); None: alone.
-        The rate is the whole step's: (E_B - 1 + E(K)) / (D_B + extra + K c + T(B + K)).
         """
         K = min(cap, self.kmax)
-        B, E0, D0 = (1, 1.0, 0.0) if load is None else (load.tokens, load.expected, load.draft_s)
-        T = self._costs.upto(B + K)
+        T = self._T
         if K <= 0:
-            return 0, E0 / (D0 + T[B])
+            return 0, 1.0 / T[1]
         est = source.estimator if estimator is None else estimator
         E = expected_tokens_upto(alpha, K) if alpha is not None else est.expected_upto(K)  # [K+1]
         k = np.arange(K + 1)
-        rates = (E0 - 1.0 + E) / (D0 + extra * (k > 0) + k * source.draft_cost + T[B:B + K + 1])  # k = 0: plain
+        rates = E / (extra * (k > 0) + k * source.draft_cost + T[1:K + 2])  # k = 0: a plain step
         best = int(np.argmax(rates))  # ties go to the smaller K
         return best, float(rates[best])
 
@@ -278,12 +273,9 @@ class SpeculationController(DrafterBase):
         """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs)."""
         self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        """Try the drafters whose best K beats plain decoding, best expected rate first; the
-        first non-empty draft wins (an n-gram drafter without a match gives none). k is the
-        cap that the engine allows this step."""
-        self._last, self._last_est, self._last_k, self._last_probe = None, None, 0, False
-        self._steps += 1
+    def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[tuple]:
+        """(rate, source, K, probe, estimator) of each drafter worth trying after context,
+        unsorted: its best K at its estimated acceptance, or a probe."""
         plans = []
         for s in self.sources:
             est, avail = s.estimator_for(context) if k > 0 else (None, 0)
@@ -294,7 +286,7 @@ class SpeculationController(DrafterBase):
             if not (s is self._prev_source and self._prev_full):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
-            kk, rate = self.plan(s, cap, extra, estimator=est, load=self._load)
+            kk, rate = self.plan(s, cap, extra, estimator=est)
             if kk == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the
                 # steady rate saves per token repays it within the horizon.
@@ -304,16 +296,49 @@ class SpeculationController(DrafterBase):
             # Probe only a drafter that could pay at all: with every draft accepted, after
             # its catch-up (on a CPU a draft model that lags the text never does); for a
             # kind of prompt-lookup match, at its prior acceptance.
-            if kk == 0 and self._plain_streak >= s.probe_gap:
+            probe = False
+            if probes and kk == 0 and self._plain_streak >= s.probe_gap:
                 could = (self.plan(s, cap, extra, estimator=est.fresh()) if isinstance(est, TwoRateEstimator)
                          else self.plan(s, cap, extra, alpha=1.0))
                 probe = could[0] > 0
-            else:
-                probe = False
             if probe:
                 kk, rate = min(2, cap), -s.draft_cost  # cheapest probe first
-            if kk > 0:
-                plans.append((rate, s, kk, probe, est))
+            plans.append((rate, s, kk, probe, est, cap))
+        return plans
+
+    def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
+        """For a batched step: the expected committed tokens E[0..K] of the drafter that
+        would draft here (the best expected rate alone; else the likeliest first token),
+        its cost per drafted token, and the shared T(n); None when no drafter has anything
+        to say. The engine's batch planner then sets this generation's quota."""
+        self._offered = None
+        plans = self._candidates(context, k, probes=False)
+        self._matched.subtract({p[1].name: 1 for p in plans})  # counted again when proposing
+        plans = [p for p in plans if p[5] > 0]
+        if not plans:
+            return None
+        rate, s, kk, _, est, cap = max(plans, key=lambda p: (p[2] > 0, p[0] if p[2] > 0 else p[4].expected(1)))
+        self._offered = (s, est)
+        return DraftOffer(est.expected_upto(cap), s.draft_cost, self._costs)
+
+    def set_quota(self, k: int | None) -> None:
+        """The batch planner's K for the next proposal (with the drafter of the last offer);
+        None: choose alone."""
+        self._quota = k
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Try the drafters whose best K beats plain decoding, best expected rate first; the
+        first non-empty draft wins (an n-gram drafter without a match gives none). k is the
+        cap that the engine allows this step. With a quota from the batch planner, the
+        offered drafter drafts that many instead."""
+        self._last, self._last_est, self._last_k, self._last_probe = None, None, 0, False
+        self._steps += 1
+        quota, offered, self._quota, self._offered = self._quota, self._offered, None, None
+        if quota is not None and offered is not None:
+            self._matched[offered[0].name] += 1
+            plans = [(0.0, offered[0], min(quota, k), False, offered[1])] if min(quota, k) > 0 else []
+        else:
+            plans = [p[:5] for p in self._candidates(context, k) if p[2] > 0]
         for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
             t0 = time.perf_counter()
             draft = s.drafter.propose(context, kk)
@@ -323,8 +348,6 @@ class SpeculationController(DrafterBase):
                 per_token = (time.perf_counter() - t0) / len(draft.token_ids)
                 s.draft_cost += COST_EMA * (per_token - s.draft_cost)
                 self._last, self._last_est, self._last_k, self._last_probe = s, est, len(draft.token_ids), probe
-                if self._load is not None:
-                    self._load.expected += est.expected(len(draft.token_ids)) - 1.0
                 self._plain_streak = 0
                 self.choices[s.name] += 1
                 self._used[s.name] += 1
@@ -342,9 +365,8 @@ class SpeculationController(DrafterBase):
         model's own top probabilities so far) times the time one plain step takes exceeds
         what drafting it and verifying one more position cost."""
         def keep(i: int, p_cum: float) -> bool:
-            b = self._load.tokens - 1 if self._load is not None else 0  # the other tokens in the forward
-            T = self._costs.upto(b + i + 2)
-            marginal = source.draft_cost + T[b + i + 2] - T[b + i + 1]
+            T = self._T
+            marginal = source.draft_cost + T[min(i + 2, len(T) - 1)] - T[i + 1]
             return p_cum * T[1] >= marginal
 
         return keep

@@ -19,11 +19,12 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import Backend
+from .backends.base import Backend, SeqForward
+from .limits import MAX_NUM_SPECULATIVE_TOKENS
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -116,26 +117,38 @@ def best_k(alpha: float, kmax: int, target: CostCurve, draft_cost: float) -> int
 def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, reps: int = 5) -> CostCurve:
     """Time forward(n tokens) after a context of ``context`` tokens, median of reps.
 
-    The backend's cache is restored to empty afterwards.
+    A size beyond one sequence's block (MAX_NUM_SPECULATIVE_TOKENS + 1 tokens) is what a
+    batched step of several generations forwards: on a backend of several sequences it is
+    measured as blocks of that size on as many sequences, each after the same context.
+    The backend's caches are restored to empty afterwards.
     """
+    block = MAX_NUM_SPECULATIVE_TOKENS + 1
     vocab = backend.n_vocab
     rng = np.random.default_rng(0)
     base = [int(t) for t in rng.integers(100, min(vocab, 30000), size=context)]
-    backend.rollback(0)
-    backend.forward(base, logits_for=[])
+    used = min(backend.n_seq, -(-max(ns) // block))
+    for seq in range(used):
+        backend.rollback(0, seq=seq)
+        backend.forward(base, logits_for=[], seq=seq)
     secs = []
     for n in ns:
         toks = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
-        backend.forward(toks, logits_for=range(n))  # warm-up of this shape
-        backend.rollback(context)
+        if n <= block or used == 1:
+            items = [SeqForward(0, toks, range(n))]
+        else:
+            parts = [toks[i:i + block] for i in range(0, n, block)][:used]
+            items = [SeqForward(seq, part, range(len(part))) for seq, part in enumerate(parts)]
         times = []
-        for _ in range(reps):
+        for rep in range(reps + 1):  # the first is a warm-up of this shape
             t0 = time.perf_counter()
-            backend.forward(toks, logits_for=range(n))
-            times.append(time.perf_counter() - t0)
-            backend.rollback(context)
+            backend.forward_batch(items)
+            if rep:
+                times.append(time.perf_counter() - t0)
+            for item in items:
+                backend.rollback(context, seq=item.seq)
         secs.append(float(np.median(times)))
-    backend.rollback(0)
+    for seq in range(used):
+        backend.rollback(0, seq=seq)
     return CostCurve(tuple(ns), tuple(secs))
 
 
@@ -266,3 +279,36 @@ class ObservedCurve:
 def curve_table(curve: CostCurve, n_max: int) -> np.ndarray:
     """[n_max + 1] curve(n) for n = 0..n_max, with curve(0) := curve(1)."""
     return np.array([curve(max(n, 1)) for n in range(n_max + 1)])
+
+
+def allocate_drafts(gains: Sequence[Sequence[float]], costs: Sequence[float], base_tokens: int,
+                    base_expected: float, table: Callable[[int], np.ndarray]) -> list[int]:
+    """K for each generation of a batched step, chosen together (continuous batching).
+
+    gains[i]: [cap_i] marginal expected committed tokens of generation i's 1st, 2nd, ...
+    drafted token (E_i(j) - E_i(j-1); non-increasing, as under Eq. 1). costs[i]: its seconds
+    per drafted token. base_tokens: tokens the forward holds without these drafts (each
+    generation's last committed token, plus drafts fixed elsewhere); base_expected: the
+    tokens they commit. table(n): T[0..>=n], the target's forward seconds.
+
+    Drafts are taken in order of marginal gain across all generations (optimal for each
+    total when the gains are non-increasing), and the total n maximizes
+    (base_expected + gains of the first n) / (T(base_tokens + n) + their drafting costs):
+    a non-convex T(n) (a batch that fills a kernel tile) is handled exactly. Returns
+    [len(gains)] K_i.
+    """
+    items = [(float(g), float(c), i) for i, (gs, c) in enumerate(zip(gains, costs)) for g in gs]
+    order = sorted(range(len(items)), key=lambda j: -items[j][0])  # stable: a generation's drafts stay in order
+    n = len(order)
+    if n == 0:
+        return [0] * len(gains)
+    g = np.array([items[j][0] for j in order])
+    c = np.array([items[j][1] for j in order])
+    T = table(base_tokens + n)
+    expected = base_expected + np.concatenate([[0.0], np.cumsum(g)])
+    seconds = T[base_tokens + np.arange(n + 1)] + np.concatenate([[0.0], np.cumsum(c)])
+    best = int(np.argmax(expected / seconds))  # ties go to fewer drafts
+    quotas = [0] * len(gains)
+    for j in order[:best]:
+        quotas[items[j][2]] += 1
+    return quotas

@@ -34,7 +34,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len
-from .drafters import BatchLoad, Draft, Drafter
+from .costmodel import allocate_drafts
+from .drafters import Draft, Drafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import Grammar, GrammarConstraint
 from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens
@@ -213,16 +214,14 @@ class SpeculativeEngine:
         drafts up to its k tokens (sized for the batch by a cost-aware drafter), the target
         verifies every block in one forward, each commits what it accepts plus the target's
         own token; returns each generation's text delta, in order."""
-        load = BatchLoad(tokens=len(gens), expected=float(len(gens)))
+        caps = [min(gen.k, gen.out.remaining - 1, gen.room) for gen in gens]
+        if len(gens) > 1:
+            self._plan_batch(gens, caps)
         blocks = []
-        for gen in gens:
-            gen.drafter.set_batch_load(load if len(gens) > 1 else None)
+        for gen, cap in zip(gens, caps):
             t0 = time.perf_counter()
-            draft_ids, draft_probs = self._draft(gen, min(gen.k, gen.out.remaining - 1, gen.room))
-            dt = time.perf_counter() - t0
-            gen.out.stats.draft_s += dt
-            load.tokens += len(draft_ids)
-            load.draft_s += dt
+            draft_ids, draft_probs = self._draft(gen, cap)
+            gen.out.stats.draft_s += time.perf_counter() - t0
             blocks.append((draft_ids, draft_probs))
         t1 = time.perf_counter()
         logits = self.target.forward_batch([
@@ -230,12 +229,29 @@ class SpeculativeEngine:
             for gen, (ids, _) in zip(gens, blocks)])
         results = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
         t2 = time.perf_counter()
-        self.drafter.observe_verification(load.tokens, t2 - t1)
+        gens[0].drafter.observe_verification(sum(len(ids) + 1 for ids, _ in blocks), t2 - t1)
         deltas = []
         for gen, (ids, _), lg, result in zip(gens, blocks, logits, results):
             gen.out.stats.verify_s += t2 - t1
             deltas.append(self._commit(gen, ids, result, lg))
         return deltas
+
+    @staticmethod
+    def _plan_batch(gens: Sequence[Generation], caps: Sequence[int]) -> None:
+        """Choose the K of every generation of a batched step together
+        (:func:`specdecode.costmodel.allocate_drafts` over the drafters' offers) and hand
+        each its quota; drafters without offers draft their own way (their caps count as
+        fixed tokens of the forward)."""
+        offers = [gen.drafter.offer(gen.committed, cap) if cap > 0 else None for gen, cap in zip(gens, caps)]
+        planned = [i for i, o in enumerate(offers) if o is not None]
+        if not planned:
+            return
+        fixed = sum(1 + (caps[i] if offers[i] is None else 0) for i in range(len(gens)))
+        gains = [np.diff(offers[i].expected) for i in planned]
+        quotas = allocate_drafts(gains, [offers[i].cost_s for i in planned], fixed, float(len(gens)),
+                                 offers[planned[0]].costs.upto)
+        for i, q in zip(planned, quotas):
+            gens[i].drafter.set_quota(q)
 
     def _draft(self, gen: Generation, k: int) -> tuple[list[int], np.ndarray | None]:
         """Up to k drafted ids (cut where the grammar rejects one) and their probs [k, V]."""
@@ -275,7 +291,7 @@ class SpeculativeEngine:
             gen.drafter.finish(gen.committed[:final_len])
         finally:
             slot.gen = None
-            gen.drafter.set_batch_load(None)
+            gen.drafter.set_quota(None)
         tail = out.end("length")
         out.stats.controller_note = gen.drafter.explain()
         items: list[TextDelta | GenerationResult] = [tail] if tail or tail.token_ids else []

@@ -16,11 +16,13 @@ from .backends.llama_cpp import LlamaCppBackend
 from .controller import SpeculationController, Source
 from .costmodel import cached_forward_curve, mark_stale
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter
+from .drafters.heads import HEADS_PREFIX, load_heads_drafter
 from .errors import SpecDecodeError
 from .limits import AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
 from .vocab import fingerprint_serves
 
 NGRAM_COST_S = 2e-4  # seconds per n-gram proposal: a numpy scan of the context, negligible next to a forward
+HEADS_COST_S = 2e-3  # seconds per token drafted by heads, to start with (K (H^2 + S H) multiply-adds)
 
 
 def backend_kind(name_or_path: str, backend: str = "auto") -> str:
@@ -66,7 +68,7 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_
 def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                  device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_seq: int = 1) -> Drafter:
-    """'none', 'ngram', 'suffix', or a draft model (registry name, .gguf path or HF folder on
+    """'none', 'ngram', 'suffix', 'heads:FILE' (draft heads trained on the target), or a draft model (registry name, .gguf path or HF folder on
     any backend) checked against the target's vocabulary. draft_vocab: see ModelDrafter's
     vocab_subset (torch drafts; 0 = the full vocabulary). n_seq: KV sequences of the draft
     model, one per concurrent generation (its forks draft on them).
@@ -80,6 +82,8 @@ def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_thre
         return NgramDrafter()
     if draft == "suffix":
         return SuffixDrafter()
+    if draft.startswith(HEADS_PREFIX):
+        return load_heads_drafter(draft[len(HEADS_PREFIX):], target)
     d = load_backend(draft, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype, device=device,
                      progress=progress, n_seq=n_seq)
     try:
@@ -128,6 +132,10 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
         sources.append(Source(NgramDrafter(), NGRAM_COST_S))
     if draft in ("auto", "suffix"):
         sources.append(Source(SuffixDrafter(), NGRAM_COST_S))
+    if draft.startswith(HEADS_PREFIX):
+        # The heads' cost per token starts from a prior (a few small matrix products) and
+        # follows what proposals are observed to cost.
+        return controller([Source(load_heads_drafter(draft[len(HEADS_PREFIX):], target), HEADS_COST_S)])
     if draft in ("ngram", "suffix") or (draft == "auto" and not default_draft_serves(target)):
         return controller(sources)
     model = make_drafter(models.DEFAULT_DRAFT if draft == "auto" else draft, target, n_ctx=n_ctx,

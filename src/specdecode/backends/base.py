@@ -14,8 +14,10 @@ forward pass (continuous batching); ``forward`` is the batch of one. ``kv_len`` 
 ``seq_len(0)``.
 
 Optional abilities are declared, not probed: ``supports_greedy_draft`` (a whole greedy
-draft on the device, :meth:`Backend.greedy_draft`) and ``supports_output_subset()``
-(logits for a subset of the vocabulary, :meth:`Backend.set_output_subset`).
+draft on the device, :meth:`Backend.greedy_draft`), ``supports_output_subset()``
+(logits for a subset of the vocabulary, :meth:`Backend.set_output_subset`) and
+``supports_hidden_states`` (the final hidden states of a forward's logit rows, for draft
+heads: :meth:`Backend.hidden_state`, :meth:`Backend.make_heads`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Backend(Protocol):
     n_threads: int | None  # CPU threads, where the backend has a setting
     device: str  # where the weights live ("cpu", "cuda")
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
+    supports_hidden_states: bool  # hidden_state() / make_heads() serve draft heads
 
     @property
     def cost_key(self) -> str:
@@ -117,6 +120,19 @@ class Backend(Protocol):
         """Feed token_ids [N], then draft k tokens greedily; returns the k ids (only where
         supports_greedy_draft). The cache then holds token_ids and the first k-1 drafts."""
 
+    def set_capture_hidden(self, on: bool) -> None:
+        """Keep the final hidden states of each forward's logit rows (only where
+        supports_hidden_states)."""
+
+    def hidden_state(self, position: int):
+        """The final (post-norm) hidden state [H] at this absolute position of sequence 0,
+        from the latest forward, if that forward returned logits there and the position is
+        still cached; else None. A device tensor, for :meth:`make_heads`' function."""
+
+    def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
+        """Draft heads on this device (:mod:`specdecode.drafters.heads`): returns f(h, k) ->
+        logits [k, V] float32 of heads 1..k on hidden state h (-inf outside vocab_subset)."""
+
     def supports_output_subset(self) -> bool:
         """Whether set_output_subset can restrict the logits to some token ids."""
 
@@ -133,6 +149,7 @@ class BackendBase:
     n_threads: int | None = None
     device: str = "cpu"
     supports_greedy_draft = False
+    supports_hidden_states = False
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len
@@ -183,6 +200,15 @@ class BackendBase:
 
     def supports_output_subset(self) -> bool:
         return False
+
+    def set_capture_hidden(self, on: bool) -> None:
+        raise SpecDecodeError(f"{self.name} on {type(self).__name__} does not give its hidden states")
+
+    def hidden_state(self, position: int):
+        return None
+
+    def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
+        raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot run draft heads")
 
     def set_output_subset(self, ids: Sequence[int] | None) -> None:
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot restrict its output to a vocabulary subset")

@@ -100,6 +100,7 @@ class TorchBackend(BackendBase):
     """
 
     supports_greedy_draft = True
+    supports_hidden_states = True
 
     def __init__(self, model, tokenizer=None, n_ctx: int = 4096, name: str = "torch-model") -> None:
         torch, transformers = _import_torch()
@@ -123,6 +124,8 @@ class TorchBackend(BackendBase):
         self._special_ids = self._find_special_ids()
         self._piece_cache: dict[int, bytes] = {}
         self._subset: tuple | None = None  # (ids [S] long, weight rows [S, H], bias [S] or None)
+        self._capture = False
+        self._hidden: tuple | None = None  # (first position, row offsets [M], hidden [M, H]) of the last forward
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", n_ctx: int = 4096,
@@ -315,7 +318,11 @@ class TorchBackend(BackendBase):
             cache=self._cache,
             use_cache=True,
         )
-        if self._subset is None:
+        if self._capture:  # the same computation as the model's own forward, keeping the hidden rows
+            hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
+            self._hidden = (self._kv_len, keep.tolist(), hidden)
+            logits = self.model.get_output_embeddings()(hidden)
+        elif self._subset is None:
             logits = self.model(**kwargs, logits_to_keep=keep).logits[0]
         else:
             hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
@@ -324,6 +331,53 @@ class TorchBackend(BackendBase):
             logits[:, sub_ids] = torch.nn.functional.linear(hidden, w, b).float()
         self._kv_len += n
         return logits
+
+    # --- hidden states, for draft heads --------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[1])
+
+    def parameters(self):
+        """(name, tensor) of every weight (the identity of a model built in memory)."""
+        return self.model.named_parameters()
+
+    def set_capture_hidden(self, on: bool) -> None:
+        """Keep each forward's hidden rows (the logits are computed from them exactly as the
+        model's own forward does: decoder, then the output projection on those rows)."""
+        if on and self._subset is not None:
+            raise SpecDecodeError(f"{self.name}: hidden states and an output subset cannot be combined")
+        self._capture, self._hidden = on, None
+
+    def hidden_state(self, position: int):
+        if self._hidden is None or position >= self._kv_len:
+            return None
+        start, rows, hidden = self._hidden
+        try:
+            return hidden[rows.index(position - start)]
+        except ValueError:
+            return None
+
+    def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
+        """Residual heads on the device in the model's dtype (drafters.heads): f(h [H], k) ->
+        logits [k, V] float32 on the host, -inf outside vocab_subset."""
+        torch = self._torch
+        head = self.model.get_output_embeddings()
+        dtype = head.weight.dtype
+        W = torch.tensor(weight, dtype=dtype, device=self.device)  # [K, H, H]
+        b = torch.tensor(bias, dtype=dtype, device=self.device)  # [K, H]
+        ids = torch.tensor(vocab_subset, dtype=torch.long, device=self.device)
+        w_out = head.weight.index_select(0, ids)  # [S, H]
+        b_out = head.bias.index_select(0, ids) if getattr(head, "bias", None) is not None else None
+        V = self._n_vocab
+
+        def run(h, k: int) -> np.ndarray:
+            with torch.inference_mode():
+                z = h + torch.nn.functional.silu(torch.einsum("kij,j->ki", W[:k], h) + b[:k])  # [k, H]
+                logits = torch.full((k, V), float("-inf"), dtype=torch.float32, device=self.device)
+                logits[:, ids] = torch.nn.functional.linear(z, w_out, b_out).float()
+                return logits.cpu().numpy()
+
+        return run
 
     def greedy_draft(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Append token_ids [N >= 1], then draft k >= 1 tokens greedily on the device.

@@ -9,9 +9,9 @@ first send to the last end), TTFT and TPOT p50/p95, the largest TTFT (no request
 and acceptance. Self-started servers are measured side by side in one run: the one-slot
 server (the baseline) and the batched one (``--parallel``); a running server is measured
 at ``--url``. Greedy outputs of the batched server are compared with the one-slot
-server's at concurrency 1 (each request alone): equal, or first different where the solo
-run's two most likely tokens are within NEAR_TIE_GAP (a batch's kernels differ from a
-lone sequence's), else divergent.
+server's (which runs each request alone at any concurrency): equal, or first different
+where the solo run's two most likely tokens are within NEAR_TIE_GAP (a batch's kernels
+differ from a lone sequence's), else divergent.
 """
 
 from __future__ import annotations
@@ -300,8 +300,10 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     bar.close()
     labels = list(result["servers"])
     base, top = labels[0], labels[-1]
-    solo = result["records"][base].get(1)
-    result["parity"] = {c: parity(result["records"][top][c], solo) for c in levels} if solo else {}
+    # Reference outputs: each prompt alone, i.e. the one-slot server (which runs one request
+    # at a time at any concurrency), else the measured server at one client.
+    ref = result["records"][base] if len(labels) > 1 else {c: result["records"][base].get(1) for c in levels}
+    result["parity"] = {c: parity(result["records"][top][c], ref[c]) for c in levels if ref.get(c)}
     if len(labels) > 1:
         result["speedup"] = {c: round(result["servers"][top][c]["tokens_per_s"] /
                                       result["servers"][base][c]["tokens_per_s"], 3)

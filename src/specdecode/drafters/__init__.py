@@ -6,10 +6,10 @@ backend, :mod:`.model`). The cost-aware controller
 (:mod:`specdecode.controller`) is a drafter over several of them.
 """
 
-from .base import BatchLoad, ContinuationRule, Draft, Drafter, DrafterBase, NoDrafter
+from .base import ContinuationRule, Draft, Drafter, DrafterBase, DraftOffer, NoDrafter
 from .model import ModelDrafter
 from .ngram import Match, NgramDrafter
 from .suffix import SuffixDrafter
 
-__all__ = ["BatchLoad", "ContinuationRule", "Draft", "Drafter", "DrafterBase", "NoDrafter", "ModelDrafter", "Match", "NgramDrafter",
+__all__ = ["DraftOffer", "ContinuationRule", "Draft", "Drafter", "DrafterBase", "NoDrafter", "ModelDrafter", "Match", "NgramDrafter",
            "SuffixDrafter"]

@@ -14,8 +14,9 @@ Every drafter has one signature, ``propose(context, k) -> Draft``, and a feedbac
 Concurrent generations (continuous batching, :mod:`specdecode.engine`) each have their own
 drafter, forked from one: forks share the models (each on its own KV sequence) and the
 measured costs, and keep their own per-generation state and acceptance estimates. Before
-a batched step's proposals the engine hands each drafter the :class:`BatchLoad` so far
-(``set_batch_load``), so that a cost-aware drafter sizes its draft for the whole forward.
+a batched step's proposals the engine asks each drafter for a :class:`DraftOffer` (what
+drafting K = 0..cap tokens is expected to commit), plans every generation's K together,
+and hands each its quota (``set_quota``); a drafter without offers drafts as it would alone.
 
 ``start`` hands over the sampler whose transforms and random generator the drafter must
 use, so that ``Draft.probs`` is the distribution each drafted token was actually drawn from.
@@ -26,7 +27,7 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -49,18 +50,17 @@ class Draft:
 
 
 @dataclass
-class BatchLoad:
-    """What one batched step's target forward already holds when a generation drafts.
+class DraftOffer:
+    """What a cost-aware drafter expects of drafting after a context, for the batch planner.
 
-    tokens: tokens in the forward so far (each generation's last committed token, plus the
-    drafts proposed before this one). expected: committed tokens expected from them (1 per
-    generation without drafts). draft_s: seconds of drafting spent in this step so far.
-    A generation running alone sees BatchLoad(1, 1.0, 0.0).
+    expected: [K+1] expected committed tokens of a step drafting k = 0..K (expected[0] = 1;
+    non-decreasing, with non-increasing increments). cost_s: seconds per drafted token.
+    costs: the target's T(n) table source (``upto(n)`` -> T[0..>=n], seconds).
     """
 
-    tokens: int
-    expected: float
-    draft_s: float = 0.0
+    expected: np.ndarray
+    cost_s: float
+    costs: Any
 
 
 class Drafter(Protocol):
@@ -115,8 +115,12 @@ class Drafter(Protocol):
         sequence seq of the shared draft models; it shares models and measured costs, not
         per-generation state. Raises SpecDecodeError when the drafter cannot be shared."""
 
-    def set_batch_load(self, load: BatchLoad | None) -> None:
-        """The batched step's load before this generation's next proposal (None: alone)."""
+    def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
+        """What drafting up to k tokens after context is expected to commit (a cost-aware
+        drafter), or None: the engine then lets it draft as it would alone."""
+
+    def set_quota(self, k: int | None) -> None:
+        """The batch planner's K for the next proposal (after an offer); None: alone."""
 
 
 class ContextMemo:
@@ -183,7 +187,10 @@ class DrafterBase:
         raise SpecDecodeError(f"the {self.name!r} drafter serves one generation at a time: it cannot be forked "
                               f"for concurrent generations")
 
-    def set_batch_load(self, load: BatchLoad | None) -> None:
+    def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
+        return None
+
+    def set_quota(self, k: int | None) -> None:
         pass
 
 
