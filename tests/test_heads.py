@@ -87,8 +87,8 @@ class HiddenBigram(BigramLM):
     def set_capture_hidden(self, on):
         pass
 
-    def hidden_state(self, position):
-        cache = self.caches[0]
+    def hidden_state(self, position, seq=0):
+        cache = self.caches[seq]
         return np.array(cache[position - 1:position + 1]) if 1 <= position < len(cache) else None
 
     def make_heads(self, weight, bias, vocab_subset):
@@ -168,9 +168,19 @@ def test_heads_for_another_target_are_refused(models_, tokenizer, trained, smoll
         HeadsDrafter(tiny_heads, smollm_torch)
 
 
-def test_llama_cpp_targets_say_they_cannot_run_heads(smollm, trained):
-    with pytest.raises(Exception, match="hidden states"):
-        HeadsDrafter(trained[0], smollm)
+def test_heads_trained_on_torch_draft_for_the_same_gguf_on_llama_cpp(smollm, trained):
+    """The heads file names the model file's SHA-256, so heads trained on the torch backend
+    serve the same GGUF on llama.cpp (hidden states from llama.cpp's embeddings output of
+    the same llama_decode; heads in numpy over the dequantized output rows)."""
+    ids = smollm.tokenize("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special=False)
+    plain = SpeculativeEngine(smollm, NoDrafter(), 0).generate(ids, max_tokens=40, record_top2_gaps=True)
+    drafter = HeadsDrafter(trained[0], smollm)
+    try:
+        spec = SpeculativeEngine(smollm, drafter, 3).generate(ids, max_tokens=40)
+    finally:
+        smollm.set_capture_hidden(False)
+    assert parity_report(spec, plain)["status"] in ("exact", "near-tie")
+    assert spec.stats.accepted > 0
 
 
 def test_a_corrupt_heads_file_fails_cleanly(tmp_path, capsys, trained):
@@ -200,3 +210,11 @@ def test_heads_train_cli_checks_options_and_writes_nothing_on_failure(tmp_path, 
                "--corpus", str(tmp_path / "missing")])
     assert rc != 0 and "does not exist" in capsys.readouterr().err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_bench_configs_name_heads_files():
+    from specdecode.bench.suite import parse_config
+
+    assert parse_config("heads:/tmp/h.safetensors") == ("heads:/tmp/h.safetensors", "auto")
+    assert parse_config("heads:/tmp/h.safetensors:3") == ("heads:/tmp/h.safetensors", 3)
+    assert parse_config("ngram:4") == ("ngram", 4)

@@ -152,3 +152,12 @@ def test_parallel_option_is_checked():
     assert args.parallel == 4
     with pytest.raises(SpecDecodeError, match="parallel = 0 is out of range"):
         Decoder(target=MODEL, draft="none", parallel=0, progress=False)
+
+
+def test_ray_serve_options_are_checked_before_anything_starts(capsys):
+    from specdecode.cli import main
+
+    assert main(["serve", "--replicas", "0"]) != 0
+    assert "--replicas 0 is out of range" in capsys.readouterr().err
+    assert main(["serve", "--autoscaling", "{not json"]) != 0
+    assert "--autoscaling is not valid JSON" in capsys.readouterr().err

@@ -46,7 +46,7 @@ class TrainConfig:
     windows for evaluation; seed."""
 
     heads: int = 4
-    tokens: int = 60_000
+    tokens: int = 100_000
     window: int = 256
     vocab_subset: int = 8192
     epochs: int = 2

@@ -124,8 +124,8 @@ class Backend(Protocol):
         """Keep the final hidden states of each forward's logit rows (only where
         supports_hidden_states)."""
 
-    def hidden_state(self, position: int):
-        """The final (post-norm) hidden state [H] at this absolute position of sequence 0,
+    def hidden_state(self, position: int, seq: int = 0):
+        """The final (post-norm) hidden state [H] at this absolute position of sequence seq,
         from the latest forward, if that forward returned logits there and the position is
         still cached; else None. A device tensor, for :meth:`make_heads`' function."""
 
@@ -204,7 +204,7 @@ class BackendBase:
     def set_capture_hidden(self, on: bool) -> None:
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} does not give its hidden states")
 
-    def hidden_state(self, position: int):
+    def hidden_state(self, position: int, seq: int = 0):
         return None
 
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):

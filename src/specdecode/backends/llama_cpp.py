@@ -106,9 +106,15 @@ class LlamaCppBackend(BackendBase):
     a batch whose sequences bring different numbers of tokens stays one ubatch (a
     per-sequence cache would split it into equal shares per sequence).
 
+    Hidden states (draft heads): with ``set_capture_hidden(True)`` the context also outputs
+    llama.cpp's embeddings (pooling none), the final hidden state of every logit row, from
+    the same llama_decode.
+
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
     """
+
+    supports_hidden_states = True
 
     def __init__(
         self,
@@ -177,6 +183,8 @@ class LlamaCppBackend(BackendBase):
         self._seq_lens = [0] * n_seq
         self.n_threads = n_threads
 
+        self._capture = False
+        self._hidden: dict[int, tuple[list[int], np.ndarray]] = {}  # seq -> (positions [M], hidden [M, H])
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
@@ -307,6 +315,7 @@ class LlamaCppBackend(BackendBase):
             outs.append(np.empty((len(want), self._n_vocab), dtype=np.float32))
         before = list(self._seq_lens)
         lib, b = self._lib, self._batch
+        hidden: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         for start in range(0, len(flat), self._n_batch):
             chunk = flat[start: start + self._n_batch]  # its rows fit: <= min(n_batch, 64 * n_seq)
             for j, (seq, tok, pos, r) in enumerate(chunk):
@@ -327,7 +336,58 @@ class LlamaCppBackend(BackendBase):
                 if r >= 0:
                     i, row = where[r]
                     outs[i][row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, j), shape=(self._n_vocab,))
+                    if self._capture:
+                        ptr = lib.llama_get_embeddings_ith(self._ctx, j)
+                        rows = hidden.setdefault(seq, ([], []))
+                        rows[0].append(pos)
+                        rows[1].append(np.ctypeslib.as_array(ptr, shape=(self.hidden_size,)).copy())
+        if self._capture:
+            for seq, *_ in items:
+                pos_rows = hidden.get(int(seq))
+                self._hidden[int(seq)] = (pos_rows[0], np.stack(pos_rows[1])) if pos_rows else ([], None)
         return outs
+
+    # --- hidden states, for draft heads --------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self._lib.llama_model_n_embd(self._model))
+
+    def set_capture_hidden(self, on: bool) -> None:
+        """Also return the final (post-norm) hidden state of every logit row (llama.cpp's
+        embeddings output with pooling none: one llama_decode gives both)."""
+        self._lib.llama_set_embeddings(self._ctx, bool(on))
+        self._capture, self._hidden = bool(on), {}
+
+    def hidden_state(self, position: int, seq: int = 0):
+        entry = self._hidden.get(seq)
+        if entry is None or position >= self._seq_lens[seq] or position not in entry[0]:
+            return None
+        return entry[1][entry[0].index(position)]
+
+    def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
+        """Residual heads in numpy over the output projection's rows for vocab_subset, read
+        from the GGUF (output.weight, or the tied token_embd.weight) and dequantized once
+        with the gguf package: f(h [H], k) -> logits [k, V] float32, -inf outside the subset."""
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        tensors = {t.name: t for t in GGUFReader(str(self.path)).tensors}
+        t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+        if t is None:
+            raise SpecDecodeError(f"{self.path} has no output.weight or token_embd.weight for draft heads")
+        ids = np.asarray(vocab_subset, dtype=np.int64)
+        w_out = np.ascontiguousarray(dequantize(np.asarray(t.data)[ids], t.tensor_type).reshape(len(ids), -1),
+                                     dtype=np.float32)  # [S, H]
+        W, b, V = weight.astype(np.float32), bias.astype(np.float32), self._n_vocab
+
+        def run(h: np.ndarray, k: int) -> np.ndarray:
+            pre = np.einsum("kij,j->ki", W[:k], h) + b[:k]
+            z = h + pre / (1.0 + np.exp(-pre))  # [k, H]: h + SiLU(W h + b)
+            logits = np.full((k, V), -np.inf, dtype=np.float32)
+            logits[:, ids] = z @ w_out.T
+            return logits
+
+        return run
 
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop sequence seq's cached positions >= n (llama_memory_seq_rm over [n, end))."""

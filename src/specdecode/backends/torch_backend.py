@@ -160,7 +160,9 @@ class TorchBackend(BackendBase):
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ModelFileError(f"transformers could not load {path}: {str(e).splitlines()[0]}") from None
         model.to(dev)
-        return cls(model, tok, n_ctx=n_ctx, name=name or path.name)
+        backend = cls(model, tok, n_ctx=n_ctx, name=name or path.name)
+        backend.path = path  # the GGUF file or the folder (the model's identity, e.g. for draft heads)
+        return backend
 
     # --- vocabulary ---------------------------------------------------------------
     def _find_eog(self) -> frozenset[int]:
@@ -348,7 +350,8 @@ class TorchBackend(BackendBase):
             raise SpecDecodeError(f"{self.name}: hidden states and an output subset cannot be combined")
         self._capture, self._hidden = on, None
 
-    def hidden_state(self, position: int):
+    def hidden_state(self, position: int, seq: int = 0):
+        self._check_seq(seq)
         if self._hidden is None or position >= self._kv_len:
             return None
         start, rows, hidden = self._hidden

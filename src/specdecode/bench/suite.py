@@ -105,8 +105,13 @@ def select_prompts(prompts: Sequence[BenchPrompt], categories: Iterable[str] | N
 
 def parse_config(text: str) -> tuple[str, int | str]:
     """'DRAFT:K' (K an integer 0..MAX_NUM_SPECULATIVE_TOKENS, or auto), or 'DRAFT' meaning
-    DRAFT:auto. Returns (draft, K). Raises SpecDecodeError (param ``--config``) otherwise."""
-    draft, _, k = text.partition(":")
+    DRAFT:auto; DRAFT may be heads:FILE (its K, if any, after the file). Returns (draft, K).
+    Raises SpecDecodeError (param ``--config``) otherwise."""
+    if text.startswith("heads:"):
+        head, _, tail = text.rpartition(":")
+        draft, k = (head, tail) if head != "heads" and (tail == "auto" or tail.isdigit()) else (text, "")
+    else:
+        draft, _, k = text.partition(":")
     if not draft:
         raise SpecDecodeError(f"--config {text!r}: expected DRAFT[:K], e.g. ngram:4 or auto:auto", param="--config")
     if not k or k == "auto":

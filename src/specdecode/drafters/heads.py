@@ -27,6 +27,7 @@ Dimension letters: K = heads, H = hidden size, S = vocabulary subset, V = vocabu
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -108,6 +109,9 @@ class DraftHeads:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a file written in place would be
         try:
             save_file({"weight": self.weight.astype(np.float32), "bias": self.bias.astype(np.float32),
                        "vocab_subset": self.vocab_subset.astype(np.int64)}, tmp,
@@ -163,7 +167,7 @@ class HeadsDrafter(DrafterBase):
 
     Each proposal reads the hidden state the target computed at position L - 2 of the
     context [L] (the position whose output gave the last committed token) in its latest
-    forward (the verification of the step before; :meth:`Backend.hidden_state`), and head k
+    forward on its sequence (the verification of the step before; :meth:`Backend.hidden_state`), and head k
     proposes the k-th token after the last committed one: greedy, each head's argmax over
     its subset; sampled, a draw from each head's distribution shaped by the generation's
     Sampler, returned as the draft probabilities [k, V] (zero outside the subset), so the
@@ -180,12 +184,13 @@ class HeadsDrafter(DrafterBase):
     def __init__(self, heads: DraftHeads, target: "Backend", path: str | Path = "the heads file") -> None:
         if not target.supports_hidden_states:
             raise SpecDecodeError(f"draft heads need the target's hidden states; {target.name} on "
-                                  f"{type(target).__name__} does not give them (use --backend torch)", param="draft")
+                                  f"{type(target).__name__} does not give them", param="draft")
         heads.check_target(target, path)
         self.heads = heads
         self.target = target
         self.path = str(path)
         self._sampler: "Sampler | None" = None
+        self.seq = 0  # the target's KV sequence this drafter's generation runs on
         self._impl = target.make_heads(heads.weight, heads.bias, heads.vocab_subset)
         target.set_capture_hidden(True)
 
@@ -200,7 +205,7 @@ class HeadsDrafter(DrafterBase):
         sampler = self._sampler
         assert sampler is not None, "start() must be called before propose()"
         k = min(k, self.num_heads)
-        h = self.target.hidden_state(len(context) - 2) if k > 0 and len(context) >= 2 else None
+        h = self.target.hidden_state(len(context) - 2, self.seq) if k > 0 and len(context) >= 2 else None
         if h is None:
             return Draft([])
         logits = self._impl(h, k)  # [k, V] float32, -inf outside the subset
@@ -223,9 +228,12 @@ class HeadsDrafter(DrafterBase):
         return Draft(drafts, np.stack(rows) if rows else None)
 
     def fork(self, seq: int) -> "HeadsDrafter":
-        if seq >= self.target.n_seq:
+        """The same heads for the generation on the target's sequence seq."""
+        if not 0 <= seq < self.target.n_seq:
             raise SpecDecodeError(f"{self.target.name} holds {self.target.n_seq} sequence(s)", param="parallel")
-        return self
+        twin = copy.copy(self)
+        twin.seq, twin._sampler = seq, None
+        return twin
 
     def explain(self) -> str:
         return ""
