@@ -172,7 +172,11 @@ def test_heads_trained_on_torch_draft_for_the_same_gguf_on_llama_cpp(smollm, tra
     """The heads file names the model file's SHA-256, so heads trained on the torch backend
     serve the same GGUF on llama.cpp (hidden states from llama.cpp's embeddings output of
     the same llama_decode; heads in numpy over the dequantized output rows)."""
-    ids = smollm.tokenize("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special=False)
+    # A prompt longer than the 64 output rows of one call: with embeddings on, llama.cpp
+    # outputs every token, so the prefill must run without them (it asserted before).
+    text = "import os\nimport sys\n\n\ndef main(argv):\n    " + "x = os.path.join(sys.argv[0], 'a')\n    " * 12
+    ids = smollm.tokenize(text, add_special=False)
+    assert len(ids) > 64
     plain = SpeculativeEngine(smollm, NoDrafter(), 0).generate(ids, max_tokens=40, record_top2_gaps=True)
     drafter = HeadsDrafter(trained[0], smollm)
     try:

@@ -325,6 +325,10 @@ class LlamaCppBackend(BackendBase):
                 b.seq_id[j][0] = seq
                 b.logits[j] = r >= 0
             b.n_tokens = len(chunk)
+            if self._capture:
+                # With embeddings on, llama.cpp outputs every token of the batch: only a chunk
+                # that fits the output buffer may have them (a long prefill asks for no rows).
+                lib.llama_set_embeddings(self._ctx, len(chunk) <= self._rows_max)
             rc = lib.llama_decode(self._ctx, b)
             if rc != 0:
                 for seq, n in enumerate(before):  # leave every sequence as it was before this call
@@ -336,7 +340,7 @@ class LlamaCppBackend(BackendBase):
                 if r >= 0:
                     i, row = where[r]
                     outs[i][row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, j), shape=(self._n_vocab,))
-                    if self._capture:
+                    if self._capture and len(chunk) <= self._rows_max:
                         ptr = lib.llama_get_embeddings_ith(self._ctx, j)
                         rows = hidden.setdefault(seq, ([], []))
                         rows[0].append(pos)
