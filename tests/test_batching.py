@@ -305,3 +305,17 @@ def test_the_torch_backend_says_it_serves_one_sequence():
 
     with pytest.raises(SpecDecodeError, match="serves one sequence at a time"):
         load_backend("some/folder", backend="torch", n_seq=2)
+
+
+def test_step_takes_running_generations_only():
+    t = BigramLM(n_seq=2)
+    engine = SpeculativeEngine(t, NoDrafter(), 0)
+    assert engine.step([]) == []
+    g = engine.begin([1, 2, 3], max_tokens=4)
+    with pytest.raises(SpecDecodeError, match="each once"):
+        engine.step([g, g])
+    engine.end(g)
+    with pytest.raises(SpecDecodeError, match="has ended"):
+        engine.step([g])
+    with pytest.raises(SpecDecodeError, match="already ended"):
+        engine.end(g)

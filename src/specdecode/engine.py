@@ -214,6 +214,10 @@ class SpeculativeEngine:
         drafts up to its k tokens (sized for the batch by a cost-aware drafter), the target
         verifies every block in one forward, each commits what it accepts plus the target's
         own token; returns each generation's text delta, in order."""
+        if not gens:
+            return []
+        if len({id(g) for g in gens}) != len(gens) or any(g.slot.gen is not g or g.done for g in gens):
+            raise SpecDecodeError("step() takes running generations, each once: one has ended or is done")
         caps = [min(gen.k, gen.out.remaining - 1, gen.room) for gen in gens]
         if len(gens) > 1:
             self._plan_batch(gens, caps)
