@@ -222,3 +222,26 @@ def test_bench_configs_name_heads_files():
     assert parse_config("heads:/tmp/h.safetensors") == ("heads:/tmp/h.safetensors", "auto")
     assert parse_config("heads:/tmp/h.safetensors:3") == ("heads:/tmp/h.safetensors", 3)
     assert parse_config("ngram:4") == ("ngram", 4)
+
+
+def test_malformed_heads_files_are_refused(tmp_path, models_, tokenizer):  # noqa: F811
+    target = backend(models_["llama"], tokenizer, "tiny")
+    H, V = target.hidden_size, target.n_vocab
+    meta = heads_meta(target, 1, {})
+    w, b = np.zeros((1, H, H), np.float32), np.zeros((1, H), np.float32)
+    cases = {"empty": (w, b, np.zeros(0, np.int64), "malformed"),
+             "nan": (w * np.nan, b, np.arange(V), "non-finite"),
+             "no heads": (w[:0], b[:0], np.arange(V), "malformed")}
+    for name, (ww, bb, ss, msg) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        DraftHeads(ww, bb, ss, meta).save(path)
+        with pytest.raises(ModelFileError, match=msg):
+            DraftHeads.load(path)
+    path = tmp_path / "far.safetensors"
+    DraftHeads(w, b, np.array([0, 10**9]), meta).save(path)
+    with pytest.raises(HeadsMismatchError, match="outside the vocabulary"):
+        HeadsDrafter(DraftHeads.load(path), target)
+    with pytest.raises(ModelFileError, match="is a folder"):
+        DraftHeads.load(tmp_path)
+    with pytest.raises(ModelFileError, match="no heads file given"):
+        DraftHeads.load("")

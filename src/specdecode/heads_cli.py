@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from .errors import SpecDecodeError
@@ -56,6 +57,11 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and out.is_dir():
         raise SpecDecodeError(f"--out {out} is a folder: give a file name", param="--out")
+    parent = out.parent if str(out.parent) else Path(".")
+    existing = next((p for p in [parent, *parent.parents] if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        # Found before the half hour of training, not after it.
+        raise SpecDecodeError(f"--out {out} cannot be written: {existing} is not a writable folder", param="--out")
     if args.threads is not None:
         if args.threads < 1:
             raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")

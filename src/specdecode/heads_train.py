@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .drafters.heads import DraftHeads, heads_meta
+from .drafters.heads import MAX_HEADS, DraftHeads, heads_meta
 from .errors import SpecDecodeError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html")
@@ -59,7 +59,7 @@ class TrainConfig:
 
 def check_config(cfg: TrainConfig) -> None:
     """Raises SpecDecodeError naming the first out-of-range option."""
-    checks = [("--heads", cfg.heads, 1, 16), ("--tokens", cfg.tokens, 256, 10**9), ("--window", cfg.window, 8, 8192),
+    checks = [("--heads", cfg.heads, 1, MAX_HEADS), ("--tokens", cfg.tokens, 256, 10**9), ("--window", cfg.window, 8, 8192),
               ("--vocab-subset", cfg.vocab_subset, 16, 10**7), ("--epochs", cfg.epochs, 1, 1000),
               ("--batch", cfg.batch, 1, 65536)]
     for name, v, lo, hi in checks:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 HEADS_PREFIX = "heads:"  # --draft heads:FILE
 HEADS_FORMAT = "specdecode-heads/1"
 HEADS_KIND = "medusa1-residual"
+MAX_HEADS = 16  # heads per file (heads train --heads 1..16)
 
 
 class HeadsMismatchError(SpecDecodeError):
@@ -127,7 +128,11 @@ class DraftHeads:
         corrupt, or not a specdecode heads file."""
         from safetensors import safe_open
 
+        if not str(path):
+            raise ModelFileError("no heads file given: use --draft heads:FILE")
         path = Path(path)
+        if path.is_dir():
+            raise ModelFileError(f"heads file {path} is a folder: give the .safetensors file")
         if not path.is_file():
             raise ModelFileError(f"heads file {path} does not exist")
         try:
@@ -144,6 +149,11 @@ class DraftHeads:
         if w.ndim != 3 or w.shape[1] != w.shape[2] or b.shape != w.shape[:2] or s.ndim != 1:
             raise ModelFileError(f"heads file {path} has inconsistent shapes: weight {w.shape}, bias {b.shape}, "
                                  f"vocab_subset {s.shape}")
+        if not 1 <= w.shape[0] <= MAX_HEADS or len(s) == 0 or len(np.unique(s)) != len(s) or s.min() < 0:
+            raise ModelFileError(f"heads file {path} is malformed: {w.shape[0]} heads (expected 1..{MAX_HEADS}), "
+                                 f"a vocabulary subset of {len(s)} ids (expected distinct ids >= 0, at least one)")
+        if not (np.isfinite(w).all() and np.isfinite(b).all()):
+            raise ModelFileError(f"heads file {path} holds non-finite weights")
         return cls(w.astype(np.float32), b.astype(np.float32), s.astype(np.int64), meta)
 
     def check_target(self, target: "Backend", path: str | Path = "the heads file") -> None:
@@ -152,10 +162,16 @@ class DraftHeads:
         want = self.meta.get("target_sha256", "")
         have = target_sha256(target)
         if want != have:
+            trained_for = self.meta.get("target_name", "?")
+            if trained_for == target.name:
+                trained_for = f"another file named {trained_for}"
             raise HeadsMismatchError(
-                f"{path} was trained for target {self.meta.get('target_name', '?')} (SHA-256 {want[:16]}...), "
+                f"{path} was trained for target {trained_for} (SHA-256 {want[:16]}...), "
                 f"not for {target.name} (SHA-256 {have[:16]}...): train heads for this target with "
                 f"'specdecode heads train --target {target.name}'", param="draft")
+        if int(self.vocab_subset.max()) >= target.n_vocab:
+            raise HeadsMismatchError(f"{path} names token id {int(self.vocab_subset.max())}, outside the vocabulary "
+                                     f"of {target.name} ({target.n_vocab})", param="draft")
         if int(self.meta.get("vocab_size", -1)) != target.n_vocab or self.hidden_size != target.hidden_size:
             raise HeadsMismatchError(
                 f"{path} has hidden size {self.hidden_size} and vocabulary {self.meta.get('vocab_size')}; "

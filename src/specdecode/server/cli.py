@@ -52,8 +52,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             print(f"specdecode: serving on {args.host}: the API key protects /v1; /health and /metrics stay open",
                   flush=True)
+    if args.metrics_port is not None and not (1 <= args.metrics_port <= 65535):
+        raise SpecDecodeError(f"--metrics-port {args.metrics_port} is out of range: expected 1..65535",
+                              param="--metrics-port")
     if args.replicas is not None or args.autoscaling is not None:
         return _serve_on_ray(args, api_key)
+    if args.metrics_port is not None:
+        raise SpecDecodeError("--metrics-port applies to Ray Serve replicas (--replicas or --autoscaling); a single "
+                              "server serves its metrics at /metrics", param="--metrics-port")
     with decoder_from_args(args, progress=True) as dec:
         app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True, api_key=api_key,
                          max_body_bytes=args.max_body_bytes)
