@@ -174,17 +174,18 @@ class Decoder:
         return self.engine.stream(ids, **kwargs)
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-              max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
+              prompt_ids: Sequence[int] | None = None, max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
               logprobs: int | None = None, plain: bool = False, num_speculative_tokens: int | None = None,
               record_top2_gaps: bool = False, grammar: Grammar | None = None, **sampling) -> Generation:
         """Start a generation in a free slot (options as :meth:`stream`) for batched
         stepping: ``deltas = decoder.step([g1, g2, ...])`` advances every running
         generation by one shared forward; when ``g.done``, ``decoder.end(g)`` returns its
         last delta (if any) and its GenerationResult and frees the slot.
+        prompt_ids: the prompt already tokenized (:meth:`prompt_ids`), instead of prompt / messages.
         Raises SpecDecodeError for bad options, a prompt that does not fit, or no free slot.
         """
         ids, kwargs = self._request(prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
-                                    record_top2_gaps, grammar, sampling)
+                                    record_top2_gaps, grammar, sampling, prompt_ids)
         return self.engine.begin(ids, **kwargs)
 
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
@@ -196,10 +197,10 @@ class Decoder:
         return self.engine.end(gen)
 
     def _request(self, prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
-                 record_top2_gaps, grammar, sampling) -> tuple[list[int], dict]:
+                 record_top2_gaps, grammar, sampling, ids=None) -> tuple[list[int], dict]:
         params = sampling_params(**sampling)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        ids = self.prompt_ids(prompt, messages)
+        ids = list(ids) if ids is not None else self.prompt_ids(prompt, messages)
         return ids, dict(
             sampling=params, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
             record_top2_gaps=record_top2_gaps, grammar=grammar,

@@ -47,7 +47,9 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_heads_train(args: argparse.Namespace) -> int:
     """Train and write the heads file (atomically: nothing is written when anything fails)."""
-    from .heads_train import TrainConfig, check_config, corpus_files, report_json, train_heads
+    import json
+
+    from .heads_train import TrainConfig, check_config, corpus_files, train_heads
     from .loading import load_backend
 
     cfg = TrainConfig(heads=args.heads, tokens=args.tokens, window=args.window, vocab_subset=args.vocab_subset,
@@ -74,7 +76,7 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     heads.save(out)
-    print(report_json(report))
+    print(json.dumps(report, indent=2))
     print(f"specdecode: wrote {out} ({heads.num_heads} heads for {args.target}); use --draft heads:{out} "
           f"--backend torch", flush=True)
     return 0

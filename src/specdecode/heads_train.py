@@ -23,7 +23,6 @@ this 2-core machine, see the README.
 
 from __future__ import annotations
 
-import json
 import sys
 import sysconfig
 import time
@@ -247,7 +246,3 @@ def train_heads(backend, cfg: TrainConfig, progress: bool = True,
     meta = heads_meta(backend, K, {**report, "kind_why": "Medusa-1 residual heads over the frozen output projection"})
     out = DraftHeads(heads.W.detach().numpy().copy(), heads.b.detach().numpy().copy(), subset.numpy(), meta)
     return out, report
-
-
-def report_json(report: dict) -> str:
-    return json.dumps(report, indent=2)

@@ -251,9 +251,6 @@ class HeadsDrafter(DrafterBase):
         twin.seq, twin._sampler = seq, None
         return twin
 
-    def explain(self) -> str:
-        return ""
-
 
 def load_heads_drafter(path: str | Path, target: "Backend") -> HeadsDrafter:
     """``--draft heads:FILE``: load FILE and check it against the target."""

@@ -57,6 +57,7 @@ class _Running:
     logprobs: "_LogprobsFormat | None"
     index: int = 0  # the choice being generated
     max_tokens: int = 0
+    ids: list = field(default_factory=list)  # the prompt's tokens (tokenized once for all choices)
     gen: Any = None  # the engine's Generation of this choice
     results: list = field(default_factory=list)  # (GenerationResult, logprobs object or None) per finished choice
     first: float | None = None  # when the job's first step came back
@@ -163,8 +164,7 @@ class Worker:
                 admitted = []
                 while not stopping and self._waiting and len(self._active) < self.slots:
                     job = self._waiting.popleft()
-                    r = _Running(job, _LogprobsFormat(job.req.kind, self.decoder.target.token_bytes)
-                                 if job.req.logprobs is not None else None)
+                    r = _Running(job, self._logprobs_format(job.req))
                     self._active.append(r)
                     admitted.append(r)
             if stopping:
@@ -182,6 +182,10 @@ class Worker:
             except BaseException as e:  # never let the worker die: the next request must be served
                 for r in list(self._active):
                     self._fail(r, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    def _logprobs_format(self, req: GenRequest) -> "_LogprobsFormat | None":
+        """A fresh formatter for one choice's logprobs, when the request asks for them."""
+        return _LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None else None
 
     def _guarded(self, r: _Running, action: Callable[[_Running], None]) -> None:
         """Run action(r); a failure ends this job alone with its error (400 for what the
@@ -220,14 +224,13 @@ class Worker:
         req = r.job.req
         if r.job.cancelled.is_set():
             return self._cancelled(r)
-        ids = self.decoder.prompt_ids(req.prompt, req.messages)
-        r.max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
+        r.ids = self.decoder.prompt_ids(req.prompt, req.messages)
+        r.max_tokens = resolve_max_tokens(req, len(r.ids), self.n_ctx)
         self._begin_choice(r)
 
     def _begin_choice(self, r: _Running) -> None:
         req = r.job.req
-        r.gen = self.decoder.begin(req.prompt, messages=req.messages, max_tokens=r.max_tokens,
-                                   **req.choice_sampling(r.index))
+        r.gen = self.decoder.begin(prompt_ids=r.ids, max_tokens=r.max_tokens, **req.choice_sampling(r.index))
 
     def _cancelled(self, r: _Running) -> None:
         self._release(r)
@@ -272,8 +275,7 @@ class Worker:
             r.index += 1
             if r.job.cancelled.is_set():
                 return self._cancelled(r)
-            r.logprobs = _LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None \
-                else None
+            r.logprobs = self._logprobs_format(req)
             self._begin_choice(r)
             return
         end = time.perf_counter()
