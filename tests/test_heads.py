@@ -245,3 +245,80 @@ def test_malformed_heads_files_are_refused(tmp_path, models_, tokenizer):  # noq
         DraftHeads.load(tmp_path)
     with pytest.raises(ModelFileError, match="no heads file given"):
         DraftHeads.load("")
+
+
+def test_corpus_prompts_are_seeded_code_tasks_and_instructions():
+    from specdecode.heads_data import make_prompts
+
+    a, b = make_prompts(40, seed=1), make_prompts(40, seed=1)
+    assert a == b and a != make_prompts(40, seed=2)
+    kinds = [k for k, _ in a]
+    assert kinds.count("code") == 20 and kinds.count("chat") == 20
+    for kind, messages in a:
+        assert messages[-1]["role"] == "user" and messages[-1]["content"]
+        if kind == "code":  # a whole function, dedented, inside a fenced block
+            code = messages[-1]["content"].split("```python\n", 1)[1]
+            assert code.startswith("def ") and code.rstrip().endswith("```")
+
+
+def test_corpus_of_the_targets_own_answers(smollm, tmp_path):
+    """The target's greedy answers, written with its chat template and end-of-turn token;
+    the same answers as a lone greedy generation; heads train reads the folder."""
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.heads_data import answer_all, end_of_turn_text, make_prompts, write_corpus
+
+    prompts = make_prompts(4, seed=0)
+
+    class Dec:  # the Decoder's begin/step/end over an engine of one slot
+        target = smollm
+
+        def __init__(self):
+            self.engine = SpeculativeEngine(smollm, NoDrafter(), 0, n_slots=1)
+
+        def begin(self, prompt_ids, max_tokens, temperature, seed):
+            return self.engine.begin(prompt_ids, sampling=SamplingParams(temperature=temperature, seed=seed),
+                                     max_tokens=max_tokens)
+
+        def step(self, gens):
+            return self.engine.step(gens)
+
+        def end(self, g):
+            return self.engine.end(g)
+
+    counts = write_corpus(tmp_path / "corpus", answer_all(Dec(), prompts, max_tokens=12))
+    assert sum(counts.values()) == 4 and sorted(p.name for p in (tmp_path / "corpus").iterdir()) == \
+        sorted(f"{k}.txt" for k in counts)
+    text = "".join(p.read_text() for p in (tmp_path / "corpus").iterdir())
+    for kind, messages in prompts:
+        rendered = smollm.apply_chat_template(messages)
+        assert rendered in text
+        eng = SpeculativeEngine(smollm, NoDrafter(), 0)
+        ids = smollm.tokenize(rendered, add_special=False, parse_special=True)
+        alone = eng.generate(ids, sampling=SamplingParams(temperature=0.0), max_tokens=12)
+        assert rendered + alone.text in text
+    assert end_of_turn_text(smollm, rendered) in rendered
+
+
+def test_corpus_is_written_whole_or_not_at_all(tmp_path):
+    from specdecode.errors import SpecDecodeError
+    from specdecode.heads_data import make_prompts, write_corpus
+
+    def failing():
+        yield "chat", "one"
+        raise RuntimeError("the target failed mid-way")
+
+    with pytest.raises(RuntimeError):
+        write_corpus(tmp_path / "c", failing())
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x.txt").write_text("keep")
+    with pytest.raises(SpecDecodeError, match="not an empty folder"):
+        write_corpus(tmp_path / "taken", iter([("chat", "two")]))
+    assert (tmp_path / "taken" / "x.txt").read_text() == "keep"
+    with pytest.raises(SpecDecodeError, match="--prompts 0"):
+        make_prompts(0)
+    rc = main(["heads", "corpus", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "taken")])
+    assert rc != 0
+    rc = main(["heads", "corpus", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "new"),
+               "--temperature", "3"])
+    assert rc != 0 and not (tmp_path / "new").exists()

@@ -42,7 +42,55 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_heads_train)
+
+    c = hs.add_parser("corpus", help="have the target answer made-up code tasks and instructions: a corpus of its "
+                                     "own conversations for heads train --corpus",
+                      description="Make PROMPTS conversations offline (half code tasks on Python standard-library "
+                                  "functions, half instructions from built-in templates), have the target answer each "
+                                  "greedily in parallel slots, and write them with its chat template to OUT/code.txt "
+                                  "and OUT/chat.txt (self-distillation data, as Medusa-2). Then: specdecode heads "
+                                  "train --corpus OUT.")
+    c.add_argument("--target", default=models.DEFAULT_TARGET, help="registry name, .gguf path or Hugging Face folder "
+                                                                   "(default: %(default)s)")
+    c.add_argument("--out", required=True, help="a folder to create (must not exist, or be empty)")
+    c.add_argument("--prompts", type=int, default=200, help="conversations to make (default: %(default)s)")
+    c.add_argument("--max-tokens", type=int, default=256, help="longest answer, in tokens (default: %(default)s)")
+    c.add_argument("--parallel", "-np", type=int, default=8, help="answers generated at once (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=0, help="which prompts, and the sampling seeds (default: %(default)s)")
+    c.add_argument("--temperature", type=float, default=0.0,
+                   help="0 answers greedily; above 0 samples (0..2; default: %(default)s)")
+    c.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
+                   help="the target's backend (default: %(default)s; torch serves one at a time)")
+    c.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_heads_corpus)
     return h
+
+
+def cmd_heads_corpus(args: argparse.Namespace) -> int:
+    """Generate the target's answers and write the corpus folder (atomically)."""
+    import json
+
+    from .api import Decoder
+    from .heads_data import build_corpus, make_prompts
+
+    make_prompts(args.prompts, args.seed)  # bad counts fail before the target loads
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpecDecodeError(f"--out {out} exists and is not an empty folder", param="--out")
+    if not 0.0 <= args.temperature <= 2.0:
+        raise SpecDecodeError(f"--temperature {args.temperature} is out of range: expected 0..2", param="--temperature")
+    if args.max_tokens < 1:
+        raise SpecDecodeError(f"--max-tokens {args.max_tokens} is out of range: expected >= 1", param="--max-tokens")
+    parallel = 1 if args.backend == "torch" else args.parallel
+    with Decoder(args.target, draft="auto", backend=args.backend, n_threads=args.threads, parallel=parallel,
+                 progress=not args.quiet) as dec:
+        report = build_corpus(dec, out, args.prompts, args.max_tokens, seed=args.seed, progress=not args.quiet,
+                              temperature=args.temperature)
+    print(json.dumps(report, indent=2))
+    print(f"specdecode: wrote {out}; next: specdecode heads train --target {args.target} --corpus {out} "
+          f"--out heads.safetensors", flush=True)
+    return 0
 
 
 def cmd_heads_train(args: argparse.Namespace) -> int:

@@ -92,7 +92,8 @@ def corpus_files(corpus: str | None) -> tuple[list[Path], str]:
 
 
 def windows(backend, files: Sequence[Path], cfg: TrainConfig) -> np.ndarray:
-    """[N, window] token windows from the files (in a seeded order), cfg.tokens in all."""
+    """[N, window] token windows from the files (files and windows in a seeded order),
+    cfg.tokens in all; special-token texts (a chat template's markers) read as those tokens."""
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(files))
     need = max(2, cfg.tokens // cfg.window)
@@ -102,15 +103,18 @@ def windows(backend, files: Sequence[Path], cfg: TrainConfig) -> np.ndarray:
             text = files[i].read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        ids = backend.tokenize(text, add_special=False)
+        ids = backend.tokenize(text, add_special=False, parse_special=True)
         for s in range(0, len(ids) - cfg.window + 1, cfg.window):
             out.append(ids[s:s + cfg.window])
             if len(out) >= need:
-                return np.array(out, dtype=np.int64)
+                break
+        if len(out) >= need:
+            break
     if len(out) < 2:
         raise SpecDecodeError(f"the corpus gives {len(out)} window(s) of {cfg.window} tokens: at least 2 are needed "
                               f"(a larger corpus, or a smaller --window)", param="--corpus")
-    return np.array(out, dtype=np.int64)
+    # Shuffled, so that the held-out windows (the first tenth) come from every file.
+    return np.array(out, dtype=np.int64)[rng.permutation(len(out))]
 
 
 def features(model, wins: np.ndarray, progress: Callable[[int], None] | None = None):
