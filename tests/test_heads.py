@@ -5,6 +5,8 @@ cleanly."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -232,9 +234,12 @@ def test_malformed_heads_files_are_refused(tmp_path, models_, tokenizer):  # noq
     cases = {"empty": (w, b, np.zeros(0, np.int64), "malformed"),
              "nan": (w * np.nan, b, np.arange(V), "non-finite"),
              "no heads": (w[:0], b[:0], np.arange(V), "malformed")}
+    umask = os.umask(0)
+    os.umask(umask)
     for name, (ww, bb, ss, msg) in cases.items():
         path = tmp_path / f"{name}.safetensors"
         DraftHeads(ww, bb, ss, meta).save(path)
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as a file written in place
         with pytest.raises(ModelFileError, match=msg):
             DraftHeads.load(path)
     path = tmp_path / "far.safetensors"
@@ -288,6 +293,9 @@ def test_corpus_of_the_targets_own_answers(smollm, tmp_path):
     counts = write_corpus(tmp_path / "corpus", answer_all(Dec(), prompts, max_tokens=12))
     assert sum(counts.values()) == 4 and sorted(p.name for p in (tmp_path / "corpus").iterdir()) == \
         sorted(f"{k}.txt" for k in counts)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "corpus").stat().st_mode & 0o777 == 0o777 & ~umask  # an ordinary folder, not mkdtemp's 0700
     text = "".join(p.read_text() for p in (tmp_path / "corpus").iterdir())
     for kind, messages in prompts:
         rendered = smollm.apply_chat_template(messages)

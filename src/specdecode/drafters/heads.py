@@ -112,11 +112,11 @@ class DraftHeads:
         os.close(fd)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as a file written in place would be
         try:
             save_file({"weight": self.weight.astype(np.float32), "bias": self.bias.astype(np.float32),
                        "vocab_subset": self.vocab_subset.astype(np.int64)}, tmp,
                       metadata={k: str(v) for k, v in self.meta.items()})
+            os.chmod(tmp, 0o666 & ~umask)  # as a file written in place would be (after save_file, which recreates it)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
