@@ -307,7 +307,7 @@ def test_corpus_of_the_targets_own_answers(smollm, tmp_path):
     assert end_of_turn_text(smollm, rendered) in rendered
 
 
-def test_corpus_is_written_whole_or_not_at_all(tmp_path):
+def test_corpus_is_written_whole_or_not_at_all(tmp_path, capsys):
     from specdecode.errors import SpecDecodeError
     from specdecode.heads_data import make_prompts, write_corpus
 
@@ -330,3 +330,6 @@ def test_corpus_is_written_whole_or_not_at_all(tmp_path):
     rc = main(["heads", "corpus", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "new"),
                "--temperature", "3"])
     assert rc != 0 and not (tmp_path / "new").exists()
+    rc = main(["heads", "corpus", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "new"),
+               "--parallel", "0"])
+    assert rc != 0 and "--parallel 0 is out of range" in capsys.readouterr().err and not (tmp_path / "new").exists()

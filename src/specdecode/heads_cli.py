@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .errors import SpecDecodeError
-from .limits import DTYPES
+from .limits import DTYPES, MAX_PARALLEL
 
 
 def add_heads_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,6 +78,9 @@ def cmd_heads_corpus(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecDecodeError(f"--out {out} exists and is not an empty folder", param="--out")
+    if not 1 <= args.parallel <= MAX_PARALLEL:
+        raise SpecDecodeError(f"--parallel {args.parallel} is out of range: expected 1..{MAX_PARALLEL}",
+                              param="--parallel")
     if not 0.0 <= args.temperature <= 2.0:
         raise SpecDecodeError(f"--temperature {args.temperature} is out of range: expected 0..2", param="--temperature")
     if args.max_tokens < 1:
