@@ -10,6 +10,9 @@ from .errors import SpecDecodeError
 from .limits import DTYPES, MAX_PARALLEL
 
 
+TARGET_HELP = "registry name, .gguf path or Hugging Face folder (default: %(default)s)"
+
+
 def add_heads_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``heads train`` to the CLI's subparsers."""
     from . import models
@@ -23,8 +26,7 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
                                   "projection) on the target's final hidden states over a text corpus, with the "
                                   "target's own greedy predictions as labels; writes a safetensors heads file for "
                                   "--draft heads:FILE. Runs the target on the torch backend.")
-    t.add_argument("--target", default=models.DEFAULT_TARGET, help="registry name, .gguf path or Hugging Face folder "
-                                                                   "(default: %(default)s)")
+    t.add_argument("--target", default=models.DEFAULT_TARGET, help=TARGET_HELP)
     t.add_argument("--out", required=True, help="the heads file to write (safetensors)")
     t.add_argument("--heads", type=int, default=d.heads, help="K, heads to train (default: %(default)s)")
     t.add_argument("--tokens", type=int, default=d.tokens,
@@ -50,8 +52,7 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
                                   "greedily in parallel slots, and write them with its chat template to OUT/code.txt "
                                   "and OUT/chat.txt (self-distillation data, as Medusa-2). Then: specdecode heads "
                                   "train --corpus OUT.")
-    c.add_argument("--target", default=models.DEFAULT_TARGET, help="registry name, .gguf path or Hugging Face folder "
-                                                                   "(default: %(default)s)")
+    c.add_argument("--target", default=models.DEFAULT_TARGET, help=TARGET_HELP)
     c.add_argument("--out", required=True, help="a folder to create (must not exist, or be empty)")
     c.add_argument("--prompts", type=int, default=200, help="conversations to make (default: %(default)s)")
     c.add_argument("--max-tokens", type=int, default=256, help="longest answer, in tokens (default: %(default)s)")
