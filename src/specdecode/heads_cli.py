@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .errors import SpecDecodeError
-from .limits import DTYPES, MAX_PARALLEL
+from .limits import DTYPES, check_parallel
 
 
 TARGET_HELP = "registry name, .gguf path or Hugging Face folder (default: %(default)s)"
@@ -73,23 +73,16 @@ def cmd_heads_corpus(args: argparse.Namespace) -> int:
     import json
 
     from .api import Decoder
-    from .heads_data import build_corpus, make_prompts
+    from .heads_data import build_corpus, check_corpus_options, make_prompts
 
-    make_prompts(args.prompts, args.seed)  # bad counts fail before the target loads
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SpecDecodeError(f"--out {out} exists and is not an empty folder", param="--out")
-    if not 1 <= args.parallel <= MAX_PARALLEL:
-        raise SpecDecodeError(f"--parallel {args.parallel} is out of range: expected 1..{MAX_PARALLEL}",
-                              param="--parallel")
-    if not 0.0 <= args.temperature <= 2.0:
-        raise SpecDecodeError(f"--temperature {args.temperature} is out of range: expected 0..2", param="--temperature")
-    if args.max_tokens < 1:
-        raise SpecDecodeError(f"--max-tokens {args.max_tokens} is out of range: expected >= 1", param="--max-tokens")
+    # Every option is checked before the target loads.
+    prompts = make_prompts(args.prompts, args.seed)
+    out = check_corpus_options(args.out, args.max_tokens, args.temperature)
+    check_parallel(args.parallel, "--parallel")
     parallel = 1 if args.backend == "torch" else args.parallel
     with Decoder(args.target, draft="auto", backend=args.backend, n_threads=args.threads, parallel=parallel,
                  progress=not args.quiet) as dec:
-        report = build_corpus(dec, out, args.prompts, args.max_tokens, seed=args.seed, progress=not args.quiet,
+        report = build_corpus(dec, out, prompts, args.max_tokens, seed=args.seed, progress=not args.quiet,
                               temperature=args.temperature)
     print(json.dumps(report, indent=2))
     print(f"specdecode: wrote {out}; next: specdecode heads train --target {args.target} --corpus {out} "

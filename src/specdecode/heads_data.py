@@ -19,6 +19,7 @@ its end-of-turn token, one file per conversation kind, ready for ``heads train -
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import sysconfig
@@ -192,26 +193,36 @@ def answer_all(decoder, prompts: Sequence[tuple[str, list[dict]]], max_tokens: i
                 yield kind, text + result.text + end
 
 
+def check_corpus_options(out: str | Path, max_tokens: int = 1, temperature: float = 0.0) -> Path:
+    """out as a Path when it may be written (absent, or an empty folder); raises
+    SpecDecodeError naming the first option at fault (max_tokens >= 1, temperature 0..2)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpecDecodeError(f"--out {out} exists and is not an empty folder", param="--out")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise SpecDecodeError(f"--max-tokens {max_tokens} is out of range: expected >= 1", param="--max-tokens")
+    if not 0.0 <= temperature <= 2.0:
+        raise SpecDecodeError(f"--temperature {temperature} is out of range: expected 0..2", param="--temperature")
+    return out
+
+
 def write_corpus(out: str | Path, transcripts: Iterator[tuple[str, str]]) -> dict:
     """Write the transcripts to out/<kind>.txt, atomically: into a temporary folder beside
     out, renamed to out only when all are written (out must not exist or be an empty
     folder). Returns {kind: conversations}. Raises SpecDecodeError when out is taken."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SpecDecodeError(f"--out {out} exists and is not an empty folder", param="--out")
+    out = check_corpus_options(out)
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     counts: dict[str, int] = {}
     try:
-        files = {}
-        for kind, text in transcripts:
-            if kind not in files:
-                files[kind] = open(tmp / f"{kind}.txt", "w", encoding="utf-8")
-            files[kind].write(text + "\n")
-            counts[kind] = counts.get(kind, 0) + 1
-        for f in files.values():
-            f.close()
+        with contextlib.ExitStack() as files:  # closes every file, however the loop ends
+            opened = {}
+            for kind, text in transcripts:
+                if kind not in opened:
+                    opened[kind] = files.enter_context(open(tmp / f"{kind}.txt", "w", encoding="utf-8"))
+                opened[kind].write(text + "\n")
+                counts[kind] = counts.get(kind, 0) + 1
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the corpus is an ordinary folder
@@ -219,23 +230,20 @@ def write_corpus(out: str | Path, transcripts: Iterator[tuple[str, str]]) -> dic
             out.rmdir()
         os.replace(tmp, out)
     except BaseException:
-        for f in locals().get("files", {}).values():
-            f.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return counts
 
 
-def build_corpus(decoder, out: str | Path, n: int, max_tokens: int, seed: int = 0, progress: bool = True,
-                 temperature: float = 0.0) -> dict:
-    """Make n prompts, have the decoder's target answer them (greedy at temperature 0, else
-    sampled: several corpora from the same templates then differ), and write the corpus
-    folder. Returns a report: conversations per kind, answer tokens, seconds."""
+def build_corpus(decoder, out: str | Path, prompts: Sequence[tuple[str, list[dict]]], max_tokens: int,
+                 seed: int = 0, progress: bool = True, temperature: float = 0.0) -> dict:
+    """Have the decoder's target answer the prompts (:func:`make_prompts`; greedy at
+    temperature 0, else sampled with seed + i: several corpora from the same templates then
+    differ), and write the corpus folder. Returns a report: conversations per kind, answer
+    tokens, seconds. Raises SpecDecodeError for the options :func:`check_corpus_options` checks."""
     from tqdm import tqdm
 
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise SpecDecodeError(f"--max-tokens {max_tokens} is out of range: expected >= 1", param="--max-tokens")
-    prompts = make_prompts(n, seed)
+    check_corpus_options(out, max_tokens, temperature)
     t0 = time.perf_counter()
     tokens = [0]
     with tqdm(total=len(prompts), unit="answer", desc="target answers", disable=not progress) as bar:
