@@ -49,7 +49,7 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
                                      "own conversations for heads train --corpus",
                       description="Make PROMPTS conversations offline (half code tasks on Python standard-library "
                                   "functions, half instructions from built-in templates), have the target answer each "
-                                  "greedily in parallel slots, and write them with its chat template to OUT/code.txt "
+                                  "(greedily, or sampled with --temperature) in parallel slots, and write them with its chat template to OUT/code.txt "
                                   "and OUT/chat.txt (self-distillation data, as Medusa-2). Then: specdecode heads "
                                   "train --corpus OUT.")
     c.add_argument("--target", default=models.DEFAULT_TARGET, help=TARGET_HELP)

@@ -184,6 +184,7 @@ class LlamaCppBackend(BackendBase):
         self.n_threads = n_threads
 
         self._capture = False
+        self._n_embd = int(self._lib.llama_model_n_embd(self._model))
         self._hidden: dict[int, tuple[list[int], np.ndarray]] = {}  # seq -> (positions [M], hidden [M, H])
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eog = frozenset(eog)
@@ -344,7 +345,7 @@ class LlamaCppBackend(BackendBase):
                         ptr = lib.llama_get_embeddings_ith(self._ctx, j)
                         rows = hidden.setdefault(seq, ([], []))
                         rows[0].append(pos)
-                        rows[1].append(np.ctypeslib.as_array(ptr, shape=(self.hidden_size,)).copy())
+                        rows[1].append(np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).copy())
         if self._capture:
             for seq, *_ in items:
                 pos_rows = hidden.get(int(seq))
@@ -354,7 +355,7 @@ class LlamaCppBackend(BackendBase):
     # --- hidden states, for draft heads --------------------------------------------------
     @property
     def hidden_size(self) -> int:
-        return int(self._lib.llama_model_n_embd(self._model))
+        return self._n_embd
 
     def set_capture_hidden(self, on: bool) -> None:
         """Also return the final (post-norm) hidden state of every logit row (llama.cpp's
