@@ -31,7 +31,7 @@ def held_out(rows, per_category_skip=3):
 
 
 def acceptance_table(examples):
-    from specdecode.controller import MATCH_BANDS, match_band
+    from specdecode.control.controller import MATCH_BANDS, match_band
     from specdecode.drafters import NgramDrafter
     from specdecode.limits import AUTO_KMAX
 
@@ -92,10 +92,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="save (or reuse) the plain outputs here")
     args = ap.parse_args()
 
-    from specdecode import models
+    from specdecode.assembly import registry
     from specdecode.api import Decoder
-    from specdecode.controller import Source, SpeculationController
-    from specdecode.costmodel import cached_forward_curve
+    from specdecode.control.controller import Source, SpeculationController
+    from specdecode.control.costmodel import cached_forward_curve
     from specdecode.drafters import NgramDrafter
     from specdecode.bench import load_prompts
     from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
@@ -112,7 +112,7 @@ def main() -> int:
                 print(f"{p.id}: {len(r.token_ids)} tokens", file=sys.stderr, flush=True)
             if args.out:
                 args.out.write_text(json.dumps(examples))
-        T = cached_forward_curve(dec.target, COST_CURVE_NS, models.cache_dir())
+        T = cached_forward_curve(dec.target, COST_CURVE_NS, registry.cache_dir())
 
     table, bands = acceptance_table(examples)
     print("band  unique  drafts  first  further")

@@ -58,13 +58,13 @@ def main() -> int:
 
     import torch
 
-    from specdecode import models
+    from specdecode.assembly import registry
     from specdecode.backends.torch_backend import TorchBackend, resolve_device
     from specdecode.drafters import ModelDrafter, NgramDrafter, NoDrafter
     from specdecode.engine import SpeculativeEngine
 
     device = resolve_device(args.device)
-    paths = {n: Path(n) if Path(n).is_dir() else models.convert_to_hf(n, dtype=args.dtype)
+    paths = {n: Path(n) if Path(n).is_dir() else registry.convert_to_hf(n, dtype=args.dtype)
              for n in (args.target, args.draft)}
     target = TorchBackend.load(paths[args.target], dtype=args.dtype, device=device, n_ctx=2048, name=args.target)
     draft = TorchBackend.load(paths[args.draft], dtype=args.dtype, device=device, n_ctx=2048, name=args.draft)
@@ -81,7 +81,7 @@ def main() -> int:
         engines[f"specdecode draft, vocab {args.draft_vocab}"] = SpeculativeEngine(
             target, ModelDrafter(subset_draft, target=target, vocab_subset=args.draft_vocab), K)
     gguf_draft = args.gguf_draft
-    if gguf_draft is None and device == "cpu" and args.draft in models.REGISTRY:
+    if gguf_draft is None and device == "cpu" and args.draft in registry.REGISTRY:
         gguf_draft = args.draft
     if gguf_draft and gguf_draft != "none":
         from specdecode.api import load_backend

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from specdecode import models
+from specdecode.assembly import registry
 from specdecode.drafters import Draft, DrafterBase
 from specdecode.errors import ContextOverflowError
 
@@ -17,7 +17,7 @@ SMOLLM = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="session")
 def smollm_path():
-    return models.resolve(SMOLLM, progress=False)
+    return registry.resolve(SMOLLM, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdecode.controller import SharedCosts, Source, SpeculationController
-from specdecode.costmodel import CostCurve, allocate_drafts, expected_tokens_upto
+from specdecode.control.controller import SharedCosts, Source, SpeculationController
+from specdecode.control.costmodel import CostCurve, allocate_drafts, expected_tokens_upto
 from specdecode.drafters import ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specdecode.engine import GenerationResult, SpeculativeEngine
 from specdecode.errors import SpecDecodeError
@@ -301,7 +301,7 @@ def test_batched_greedy_on_llama_cpp_equals_solo_or_a_near_tie(smollm_path):
 
 
 def test_the_torch_backend_says_it_serves_one_sequence():
-    from specdecode.loading import load_backend
+    from specdecode.assembly.loading import load_backend
 
     with pytest.raises(SpecDecodeError, match="serves one sequence at a time"):
         load_backend("some/folder", backend="torch", n_seq=2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.controller import Source, SpeculationController
-from specdecode.estimators import AcceptanceEstimator
-from specdecode.costmodel import CostCurve, best_k, expected_tokens, expected_tokens_positional, fit_linear, step_rate
+from specdecode.control.controller import Source, SpeculationController
+from specdecode.control.estimators import AcceptanceEstimator
+from specdecode.control.costmodel import CostCurve, best_k, expected_tokens, expected_tokens_positional, fit_linear, step_rate
 from specdecode.drafters import Draft, DrafterBase, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
@@ -155,7 +155,7 @@ def test_auto_parity_on_a_scripted_target():
 
 def test_auto_parity_on_smollm(smollm, smollm_draft):
     from specdecode.drafters import ModelDrafter
-    from specdecode.costmodel import measure_forward_curve
+    from specdecode.control.costmodel import measure_forward_curve
 
     curve = measure_forward_curve(smollm, [1, 2, 3, 4, 5, 6, 7, 8, 9], reps=2)
     srcs = [Source(NgramDrafter(), 0.0002), Source(ModelDrafter(smollm_draft, target=smollm), curve(1))]
@@ -213,7 +213,7 @@ def test_a_draft_model_that_pays_catches_up_once():
 
 
 def test_a_drafter_silenced_by_early_rejections_is_tried_again_when_its_prior_pays(monkeypatch):
-    import specdecode.controller as controller
+    import specdecode.control.controller as controller
 
     monkeypatch.setattr(controller, "COST_EMA", 0.0)  # keep the stated draft cost (no timing)
     cheap = CostCurve(tuple(range(1, 10)), (0.2,) * 9)  # verification free, drafts 0.3 of a step

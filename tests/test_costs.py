@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from specdecode import costmodel
-from specdecode.controller import Source, SpeculationController
-from specdecode.estimators import AcceptanceEstimator
-from specdecode.costmodel import CostCurve, ObservedCurve, cached_forward_curve, mark_stale
+from specdecode.control import costmodel
+from specdecode.control.controller import Source, SpeculationController
+from specdecode.control.estimators import AcceptanceEstimator
+from specdecode.control.costmodel import CostCurve, ObservedCurve, cached_forward_curve, mark_stale
 from specdecode.drafters import Draft, DrafterBase
 from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
 from specdecode.sampling import Sampler, SamplingParams

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.controller import Source, SpeculationController
-from specdecode.estimators import MATCH_BANDS, match_band
-from specdecode.costmodel import CostCurve
+from specdecode.control.controller import Source, SpeculationController
+from specdecode.control.estimators import MATCH_BANDS, match_band
+from specdecode.control.costmodel import CostCurve
 from specdecode.drafters import NgramDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import Sampler, SamplingParams

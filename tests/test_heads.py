@@ -17,7 +17,7 @@ from specdecode.drafters import NoDrafter
 from specdecode.drafters.heads import DraftHeads, HeadsDrafter, HeadsMismatchError, heads_meta
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import ModelFileError
-from specdecode.heads_train import TrainConfig, train_heads
+from specdecode.heads.train import TrainConfig, train_heads
 from specdecode.parity import parity_report
 from specdecode.sampling import SamplingParams
 
@@ -253,7 +253,7 @@ def test_malformed_heads_files_are_refused(tmp_path, models_, tokenizer):  # noq
 
 
 def test_corpus_prompts_are_seeded_code_tasks_and_instructions():
-    from specdecode.heads_data import make_prompts
+    from specdecode.heads.corpus import make_prompts
 
     a, b = make_prompts(40, seed=1), make_prompts(40, seed=1)
     assert a == b and a != make_prompts(40, seed=2)
@@ -270,7 +270,7 @@ def test_corpus_of_the_targets_own_answers(smollm, tmp_path):
     """The target's greedy answers, written with its chat template and end-of-turn token;
     the same answers as a lone greedy generation; heads train reads the folder."""
     from specdecode.engine import SpeculativeEngine
-    from specdecode.heads_data import answer_all, end_of_turn_text, make_prompts, write_corpus
+    from specdecode.heads.corpus import answer_all, end_of_turn_text, make_prompts, write_corpus
 
     prompts = make_prompts(4, seed=0)
 
@@ -309,7 +309,7 @@ def test_corpus_of_the_targets_own_answers(smollm, tmp_path):
 
 def test_corpus_is_written_whole_or_not_at_all(tmp_path, capsys):
     from specdecode.errors import SpecDecodeError
-    from specdecode.heads_data import make_prompts, write_corpus
+    from specdecode.heads.corpus import make_prompts, write_corpus
 
     def failing():
         yield "chat", "one"

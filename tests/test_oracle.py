@@ -8,7 +8,7 @@ from typing import Sequence
 import pytest
 
 from specdecode.bench.oracle import OracleStep, lookup_drafters, oracle_replay, oracle_speedup
-from specdecode.costmodel import CostCurve
+from specdecode.control.costmodel import CostCurve
 from specdecode.drafters import Draft, DrafterBase, NgramDrafter, SuffixDrafter
 from specdecode.limits import MAX_NUM_SPECULATIVE_TOKENS
 
@@ -84,8 +84,6 @@ def test_speedup_over_requests_sums_times():
 class HistoryDrafter(DrafterBase):
     """A stand-in for suffix drafting: proposes what followed the context's last token in
     the requests it was told about through finish() (latest occurrence), never the prompt."""
-
-    has_lookup = True
 
     def __init__(self) -> None:
         self.history: list[int] = []

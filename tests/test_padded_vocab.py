@@ -10,14 +10,14 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from specdecode import models
+from specdecode.assembly import registry
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.drafters import ModelDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import IncompatibleVocabularyError
-from specdecode.loading import default_draft_serves
+from specdecode.assembly.loading import default_draft_serves
 from specdecode.sampling import Sampler, SamplingParams
-from specdecode.vocab import MAX_VOCAB_SIZE_DIFFERENCE, check_vocab_compatible, fingerprint_serves, vocab_fingerprint
+from specdecode.backends.vocab import MAX_VOCAB_SIZE_DIFFERENCE, check_vocab_compatible, fingerprint_serves, vocab_fingerprint
 
 from tiny_gguf import TinyWeights, base_vocab, padded, write_gguf
 
@@ -183,8 +183,8 @@ def test_auto_recognises_the_padded_target(load, monkeypatch):
     assert vocab_fingerprint(load("target")) == fp != vocab_fingerprint(load("target_padded"))
     assert fingerprint_serves(load("target_padded"), fp)
     assert not fingerprint_serves(load("other_padded"), fp) and not fingerprint_serves(load("far"), fp)
-    spec = models.get_spec(models.DEFAULT_DRAFT)
-    monkeypatch.setitem(models.REGISTRY, spec.name, dataclasses.replace(spec, vocab_fingerprint=fp))
+    spec = registry.get_spec(registry.DEFAULT_DRAFT)
+    monkeypatch.setitem(registry.REGISTRY, spec.name, dataclasses.replace(spec, vocab_fingerprint=fp))
     assert default_draft_serves(load("target_padded"))
 
 
@@ -340,12 +340,12 @@ class PaddedView:
 def test_registry_qwen_fingerprint_serves_a_padded_qwen_target():
     """QWEN25_TOKENIZER (the 151,936-id vocabulary the registry records) is recognised in a
     152,064-id target, and the 0.5B draft passes the check against it both ways round."""
-    draft = LlamaCppBackend(models.resolve(models.DEFAULT_DRAFT, progress=False), n_ctx=64, n_threads=1,
-                            name=models.DEFAULT_DRAFT)
+    draft = LlamaCppBackend(registry.resolve(registry.DEFAULT_DRAFT, progress=False), n_ctx=64, n_threads=1,
+                            name=registry.DEFAULT_DRAFT)
     try:
         assert draft.n_vocab == 151_936
         target = PaddedView(draft, 152_064 - 151_936)
-        assert fingerprint_serves(target, models.QWEN25_TOKENIZER)
+        assert fingerprint_serves(target, registry.QWEN25_TOKENIZER)
         check_vocab_compatible(draft, target)
         check_vocab_compatible(target, draft)
     finally:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.qwen
 
 @pytest.fixture(scope="module")
 def decoder():
-    with specdecode.Decoder(draft=specdecode.models.DEFAULT_DRAFT, num_speculative_tokens=4, progress=False) as dec:
+    with specdecode.Decoder(draft=specdecode.assembly.registry.DEFAULT_DRAFT, num_speculative_tokens=4, progress=False) as dec:
         yield dec
 
 
@@ -44,10 +44,10 @@ def test_auto_controller_is_lossless_and_reports_its_choices():
 def test_registry_fingerprints_match_the_models(decoder):
     """The tokenizer fingerprints the registry records (what --draft auto decides by) are the
     loaded models' own; the default draft therefore serves the default target."""
-    from specdecode import models
-    from specdecode.loading import default_draft_serves
-    from specdecode.vocab import vocab_fingerprint
+    from specdecode.assembly import registry
+    from specdecode.assembly.loading import default_draft_serves
+    from specdecode.backends.vocab import vocab_fingerprint
 
-    assert vocab_fingerprint(decoder.target) == models.get_spec(models.DEFAULT_TARGET).vocab_fingerprint
-    assert vocab_fingerprint(decoder.drafter.draft_backends()[0]) == models.get_spec(models.DEFAULT_DRAFT).vocab_fingerprint
+    assert vocab_fingerprint(decoder.target) == registry.get_spec(registry.DEFAULT_TARGET).vocab_fingerprint
+    assert vocab_fingerprint(decoder.drafter.draft_backends()[0]) == registry.get_spec(registry.DEFAULT_DRAFT).vocab_fingerprint
     assert default_draft_serves(decoder.target)

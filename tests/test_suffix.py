@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdecode import loading
-from specdecode.controller import Source, SpeculationController
-from specdecode.estimators import match_band
-from specdecode.costmodel import CostCurve
+from specdecode.assembly import loading
+from specdecode.control.controller import Source, SpeculationController
+from specdecode.control.estimators import match_band
+from specdecode.control.costmodel import CostCurve
 from specdecode.drafters import NgramDrafter, NoDrafter, SuffixDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import SpecDecodeError

@@ -11,9 +11,9 @@ from scipy import stats as sstats
 import torch  # a test dependency (pip install -e '.[test]')
 import transformers
 
-from specdecode import models
+from specdecode.assembly import registry
 from specdecode.backends.torch_backend import TorchBackend
-from specdecode.vocab import vocab_fingerprint
+from specdecode.backends.vocab import vocab_fingerprint
 from specdecode.drafters import Draft, DrafterBase, ModelDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
@@ -36,7 +36,7 @@ CORPUS = [
 def tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(registry.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
@@ -238,7 +238,7 @@ def test_cross_backend_llama_cpp_draft_for_torch_target(smollm_path, smollm_draf
     drafter = ModelDrafter(smollm_draft, target=target)  # vocabulary check across backends
     # The tokenizer fingerprint (what --draft auto decides by) is the same on both backends.
     assert vocab_fingerprint(target) == vocab_fingerprint(smollm_draft) == \
-        models.get_spec("smollm2-135m-instruct").vocab_fingerprint
+        registry.get_spec("smollm2-135m-instruct").vocab_fingerprint
     text = target.apply_chat_template([{"role": "user", "content": "List three fruits."}])
     ids = target.tokenize(text, add_special=False)
     assert ids == smollm_draft.tokenize(text, add_special=False, parse_special=True)
@@ -356,7 +356,7 @@ def test_greedy_draft_on_the_device_equals_the_host_loop(models_, tokenizer, sub
 def test_cost_cache_key_tells_dtypes_apart(models_, tokenizer):
     import copy
 
-    from specdecode.costmodel import machine_key
+    from specdecode.control.costmodel import machine_key
 
     f32 = backend(models_["llama"], tokenizer, "m")
     bf16 = backend(copy.deepcopy(models_["llama"]).to(torch.bfloat16), tokenizer, "m")

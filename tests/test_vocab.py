@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.errors import IncompatibleVocabularyError
-from specdecode.vocab import (MAX_VOCAB_SIZE_DIFFERENCE, check_vocab_compatible, fingerprint_serves, padding_tail,
+from specdecode.backends.vocab import (MAX_VOCAB_SIZE_DIFFERENCE, check_vocab_compatible, fingerprint_serves, padding_tail,
                               vocab_fingerprint)
 
 
@@ -96,11 +96,11 @@ def test_auto_uses_the_default_draft_only_for_a_target_with_its_tokenizer(monkey
     draft, not by a vocabulary size: a same-size vocabulary with other tokens is refused."""
     import dataclasses
 
-    from specdecode import models
-    from specdecode.loading import default_draft_serves
+    from specdecode.assembly import registry
+    from specdecode.assembly.loading import default_draft_serves
 
-    spec = models.get_spec(models.DEFAULT_DRAFT)
-    monkeypatch.setitem(models.REGISTRY, spec.name,
+    spec = registry.get_spec(registry.DEFAULT_DRAFT)
+    monkeypatch.setitem(registry.REGISTRY, spec.name,
                         dataclasses.replace(spec, vocab_fingerprint=vocab_fingerprint(FakeVocab(list(BASE)))))
     assert default_draft_serves(FakeVocab(list(BASE)))
     same_size_other_tokens = list(BASE)
@@ -191,11 +191,11 @@ def test_fingerprint_serves_a_padded_target_not_another_tokenizer():
 def test_auto_recognises_a_padded_target(monkeypatch):
     import dataclasses
 
-    from specdecode import models
-    from specdecode.loading import default_draft_serves
+    from specdecode.assembly import registry
+    from specdecode.assembly.loading import default_draft_serves
 
-    spec = models.get_spec(models.DEFAULT_DRAFT)
-    monkeypatch.setitem(models.REGISTRY, spec.name,
+    spec = registry.get_spec(registry.DEFAULT_DRAFT)
+    monkeypatch.setitem(registry.REGISTRY, spec.name,
                         dataclasses.replace(spec, vocab_fingerprint=vocab_fingerprint(FakeVocab(list(BASE)))))
     assert default_draft_serves(FakeVocab(list(BASE) + pads(7, 128)))
     assert not default_draft_serves(FakeVocab(list(BASE) + pads(7, MAX_VOCAB_SIZE_DIFFERENCE + 1)))

@@ -16,18 +16,18 @@ from __future__ import annotations
 import inspect
 from typing import Iterator, Sequence
 
-from . import models
+from .assembly import registry
 from .drafters import NoDrafter
+from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine
 from .errors import SpecDecodeError
-from .grammar import Grammar
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_TOKENS, DEFAULT_N_CTX, check_num_speculative_tokens, \
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, \
     check_parallel
-from .loading import load_backend, make_controller, make_drafter
+from .assembly.loading import load_backend, make_controller, make_drafter
 from .messages import check_messages
 from .output import GenerationResult, TextDelta
 from .parity import parity_report
-from .sampling import SamplingParams
+from .request import GenerationOptions
 
 
 class Decoder:
@@ -40,7 +40,7 @@ class Decoder:
         (plain decoding), or a draft model (registry name, .gguf path, Hugging Face folder).
     num_speculative_tokens: K, drafted tokens per step (0..MAX_NUM_SPECULATIVE_TOKENS), or
         "auto" (default): the cost-aware controller chooses K in 0..AUTO_KMAX each step
-        (:mod:`specdecode.controller`; both limits in :mod:`specdecode.limits`). With
+        (:mod:`specdecode.control.controller`; both limits in :mod:`specdecode.limits`). With
         draft "auto" and an integer K, the controller chooses the drafter and K <= that K.
     n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
@@ -57,7 +57,7 @@ class Decoder:
 
     def __init__(
         self,
-        target: str = models.DEFAULT_TARGET,
+        target: str = registry.DEFAULT_TARGET,
         draft: str = "auto",
         num_speculative_tokens: int | str = "auto",
         n_ctx: int = DEFAULT_N_CTX,
@@ -76,10 +76,8 @@ class Decoder:
         if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
             raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
                                   param="draft_vocab")
-        if draft_vocab and draft in ("ngram", "suffix", "none"):
-            raise SpecDecodeError(f"draft_vocab = {draft_vocab} applies to a draft model; draft {draft!r} has none",
-                                  param="draft_vocab")
         parallel = check_parallel(parallel)
+        check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                    device=device, progress=progress, n_seq=parallel)
         try:
@@ -97,7 +95,6 @@ class Decoder:
         except BaseException:
             self.target.close()
             raise
-        self._plain = NoDrafter()
 
     def close(self) -> None:
         """Free the draft models and the target."""
@@ -140,53 +137,39 @@ class Decoder:
         assert result is not None
         return result
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict] | None = None,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: str | Sequence[str] | None = None,
-        logprobs: int | None = None,
-        plain: bool = False,
-        num_speculative_tokens: int | None = None,
-        record_top2_gaps: bool = False,
-        grammar: Grammar | None = None,
-        **sampling,
-    ) -> Iterator[str | GenerationResult]:
+    def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+               prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,
+               **fields) -> Iterator[str | GenerationResult]:
         """Yield text deltas as tokens are committed and, last, the GenerationResult.
 
-        prompt / messages: a raw prompt or OpenAI-style chat messages (exactly one).
-        max_tokens: exact cap (>= 1). stop: string(s) that end the output (excluded from it).
-        logprobs: N most likely tokens per emitted token. plain: decode without the
-        drafter (the baseline). num_speculative_tokens: override K for this call.
-        record_top2_gaps: record the target's top-2 logit gap per token (parity reports).
-        grammar: structured output, e.g. ``Grammar.json_schema({...})``, ``Grammar("regex",
-        "[0-9]+")``, ``Grammar("lark", ...)``, ``Grammar("json_object")``
-        (:mod:`specdecode.grammar`): the output matches it, as plain constrained decoding.
-        sampling: the fields of :class:`SamplingParams` (temperature, top_p, top_k, min_p,
-        repetition_penalty, frequency_penalty, presence_penalty, seed); temperature 0
-        (default) is greedy; they shape target and draft distributions alike.
+        prompt / messages / prompt_ids: a raw prompt, OpenAI-style chat messages, or the
+        prompt already tokenized (:meth:`prompt_ids`): exactly one.
+        options: a :class:`specdecode.request.GenerationOptions`, or its fields as keywords:
+        max_tokens (exact cap, >= 1), stop (string(s) that end the output, excluded from it),
+        logprobs (N most likely tokens per emitted token), plain (decode without the drafter:
+        the baseline), num_speculative_tokens (K for this call), record_top2_gaps (the
+        target's top-2 logit gap per token, for parity reports), grammar (structured output,
+        e.g. ``Grammar.json_schema({...})``, ``Grammar("regex", "[0-9]+")``, ``Grammar("lark",
+        ...)``, ``Grammar("json_object")``: the output matches it, as plain constrained
+        decoding), and the fields of :class:`SamplingParams` (temperature, top_p, top_k,
+        min_p, repetition_penalty, frequency_penalty, presence_penalty, seed; temperature 0,
+        the default, is greedy; they shape target and draft distributions alike).
         Raises SpecDecodeError (with the values) for bad options or prompts that do not fit.
         """
-        ids, kwargs = self._request(prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
-                                    record_top2_gaps, grammar, sampling)
-        return self.engine.stream(ids, **kwargs)
+        ids, options = self._request(prompt, messages, prompt_ids, options, fields)
+        return self.engine.stream(ids, options)
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-              prompt_ids: Sequence[int] | None = None, max_tokens: int = DEFAULT_MAX_TOKENS, stop: str | Sequence[str] | None = None,
-              logprobs: int | None = None, plain: bool = False, num_speculative_tokens: int | None = None,
-              record_top2_gaps: bool = False, grammar: Grammar | None = None, **sampling) -> Generation:
-        """Start a generation in a free slot (options as :meth:`stream`) for batched
+              prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,
+              **fields) -> Generation:
+        """Start a generation in a free slot (arguments as :meth:`stream`) for batched
         stepping: ``deltas = decoder.step([g1, g2, ...])`` advances every running
         generation by one shared forward; when ``g.done``, ``decoder.end(g)`` returns its
         last delta (if any) and its GenerationResult and frees the slot.
-        prompt_ids: the prompt already tokenized (:meth:`prompt_ids`), instead of prompt / messages.
         Raises SpecDecodeError for bad options, a prompt that does not fit, or no free slot.
         """
-        ids, kwargs = self._request(prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
-                                    record_top2_gaps, grammar, sampling, prompt_ids)
-        return self.engine.begin(ids, **kwargs)
+        ids, options = self._request(prompt, messages, prompt_ids, options, fields)
+        return self.engine.begin(ids, options)
 
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
         """One batched step of the running generations (see :meth:`begin`); their deltas."""
@@ -196,17 +179,13 @@ class Decoder:
         """Finish a generation (done or abandoned) and free its slot: [last delta,] result."""
         return self.engine.end(gen)
 
-    def _request(self, prompt, messages, max_tokens, stop, logprobs, plain, num_speculative_tokens,
-                 record_top2_gaps, grammar, sampling, ids=None) -> tuple[list[int], dict]:
-        params = sampling_params(**sampling)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        ids = list(ids) if ids is not None else self.prompt_ids(prompt, messages)
-        return ids, dict(
-            sampling=params, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
-            record_top2_gaps=record_top2_gaps, grammar=grammar,
-            drafter=self._plain if plain else None,
-            num_speculative_tokens=0 if plain else num_speculative_tokens,
-        )
+    def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
+        options = GenerationOptions.from_kwargs(options, **fields)
+        if prompt_ids is not None:
+            if prompt is not None or messages is not None:
+                raise SpecDecodeError("give exactly one of prompt, messages or prompt_ids")
+            return list(prompt_ids), options
+        return self.prompt_ids(prompt, messages), options
 
     def compare(self, prompt: str | None = None, **kwargs) -> tuple[GenerationResult, GenerationResult, dict]:
         """Run speculatively and plainly on the same input; returns (speculative, plain, report).
@@ -228,17 +207,6 @@ class Decoder:
         else:
             report["parity"] = {"status": "not applicable: sampling (temperature > 0) compares distributions, not tokens"}
         return spec, base, report
-
-
-def sampling_params(**fields) -> SamplingParams:
-    """SamplingParams from keyword arguments; an unknown name is a SpecDecodeError naming it
-    and the known ones (a misspelt option must not be ignored)."""
-    known = SamplingParams.__dataclass_fields__
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise SpecDecodeError(f"unknown option(s) {', '.join(unknown)}: the sampling options are "
-                              f"{', '.join(known)}", param=unknown[0])
-    return SamplingParams(**fields)
 
 
 def generate(prompt: str | None = None, **options) -> GenerationResult | Iterator[str]:

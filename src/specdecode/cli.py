@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from . import __version__, models
+from . import __version__
+from .assembly import registry
 from .bench.cli import add_bench_parser, add_bench_serve_parser
-from .heads_cli import add_heads_parser
+from .heads.cli import add_heads_parser
 from .errors import SpecDecodeError
 from .grammar import Grammar
 from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs
@@ -182,20 +183,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     if args.models_cmd == "convert":
         for name in args.names:
-            print(models.convert_to_hf(name, dtype=args.dtype, progress=not args.quiet))
+            print(registry.convert_to_hf(name, dtype=args.dtype, progress=not args.quiet))
         return 0
     if args.models_cmd == "pull":
         for name in args.names:
-            print(models.pull(name, progress=not args.quiet))
+            print(registry.pull(name, progress=not args.quiet))
         return 0
-    rows = models.list_models()
+    rows = registry.list_models()
     if args.json:
         print(json.dumps(rows))
         return 0
     print(f"{'name':32} {'size':>10}  {'cached':6}  description")
     for r in rows:
         print(f"{r['name']:32} {r['size'] / 2**20:8.0f}MB  {'yes' if r['cached'] else 'no':6}  {r['description']}")
-    print(f"cache: {models.cache_dir()} (set ${models.CACHE_ENV} to move it)")
+    print(f"cache: {registry.cache_dir()} (set ${registry.CACHE_ENV} to move it)")
     return 0
 
 
@@ -235,12 +236,12 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:
     ml.add_argument("--json", action="store_true")
     ml.set_defaults(func=cmd_models, quiet=False)
     mp = msub.add_parser("pull", help="download, assemble and verify models")
-    mp.add_argument("names", nargs="+", choices=list(models.REGISTRY), metavar="NAME")
+    mp.add_argument("names", nargs="+", choices=list(registry.REGISTRY), metavar="NAME")
     mp.add_argument("--quiet", action="store_true")
     mp.set_defaults(func=cmd_models)
     mc = msub.add_parser("convert", help="dequantize a registry GGUF once into a cached Hugging Face folder "
                                          "(for --backend torch)")
-    mc.add_argument("names", nargs="+", choices=list(models.REGISTRY), metavar="NAME")
+    mc.add_argument("names", nargs="+", choices=list(registry.REGISTRY), metavar="NAME")
     mc.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     mc.add_argument("--quiet", action="store_true")
     mc.set_defaults(func=cmd_models)

@@ -34,13 +34,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len
-from .costmodel import allocate_drafts
-from .drafters import Draft, Drafter
+from .control.planner import end_plan, observe_verification, plan_batch
+from .drafters.base import Draft, Drafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
-from .grammar import Grammar, GrammarConstraint
-from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens
+from .grammar import GrammarConstraint
+from .limits import check_num_speculative_tokens
 from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob
-from .sampling import Sampler, SamplingParams
+from .request import GenerationOptions
+from .sampling import Sampler
 from .verify import VerifyResult, committed_tokens, verify_greedy, verify_speculative_sampling
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
@@ -119,24 +120,15 @@ class SpeculativeEngine:
             raise SpecDecodeError(f"n_slots = {n} is out of range: the target {target.name} holds "
                                   f"{target.n_seq} sequence(s)", param="parallel")
         self.slots = [Slot(i, drafter if i == 0 else drafter.fork(i), target.n_ctx) for i in range(n)]
+        self._plain = NoDrafter()  # plain decoding on the same target (GenerationOptions.plain)
         self._uses = 0
 
     def free_slots(self) -> int:
         """Slots without a running generation."""
         return sum(1 for s in self.slots if s.gen is None)
 
-    def stream(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: SamplingParams = SamplingParams(),
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        stop: Sequence[str] = (),
-        logprobs: int | None = None,
-        record_top2_gaps: bool = False,
-        drafter: Drafter | None = None,
-        num_speculative_tokens: int | None = None,
-        grammar: Grammar | None = None,
-    ) -> Iterator[TextDelta | GenerationResult]:
+    def stream(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
+               drafter: Drafter | None = None, **fields) -> Iterator[TextDelta | GenerationResult]:
         """Generate; yields text deltas as tokens are committed, then the GenerationResult.
 
         Each delta is a :class:`specdecode.output.TextDelta`: a str that also carries the
@@ -144,19 +136,13 @@ class SpeculativeEngine:
         completes tokens.
 
         prompt_ids: [L] prompt tokens (at least one; BOS included if the model wants it).
-        max_tokens: cap on emitted tokens (>= 1). stop: strings that end the output.
-        logprobs: N >= 0 to record the N most likely tokens per emitted token.
-        record_top2_gaps: record the target's top-2 logit gap at each emitted token.
-        drafter, num_speculative_tokens: override the slot's for this call (e.g. a
-            NoDrafter for the plain baseline on the same loaded target).
-        grammar: structured output (:mod:`specdecode.grammar`): the output matches it, and is
-            what plain decoding under the same grammar would give.
+        options: :class:`specdecode.request.GenerationOptions`, or its fields (and the
+            sampling fields) as keywords. drafter: override the slot's for this call.
 
         Raises SpecDecodeError for bad options, ContextOverflowError when the prompt does
         not fit in the context.
         """
-        gen = self.begin(prompt_ids, sampling, max_tokens, stop, logprobs, record_top2_gaps, drafter,
-                         num_speculative_tokens, grammar)
+        gen = self.begin(prompt_ids, options, drafter=drafter, **fields)
         ended = False
         try:
             while not gen.done:
@@ -169,11 +155,8 @@ class SpeculativeEngine:
             if not ended:
                 self.end(gen)
 
-    def begin(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-              max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (), logprobs: int | None = None,
-              record_top2_gaps: bool = False, drafter: Drafter | None = None,
-              num_speculative_tokens: int | None = None, grammar: Grammar | None = None,
-              slot: int | None = None) -> Generation:
+    def begin(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
+              drafter: Drafter | None = None, slot: int | None = None, **fields) -> Generation:
         """Start a generation (options as :meth:`stream`) in a free slot: the given one, else
         the free slot whose cached tokens share the longest prefix with the prompt (least
         recently used among equals); its prompt is prefilled there (reusing that prefix).
@@ -181,13 +164,18 @@ class SpeculativeEngine:
         Raises SpecDecodeError for bad options or when no slot is free,
         ContextOverflowError when the prompt does not fit.
         """
-        K = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        self._check(prompt_ids, K, max_tokens, stop, logprobs)
+        options = GenerationOptions.from_kwargs(options, **fields) if fields or options is None else options
+        if options.plain:
+            drafter, K = self._plain, 0
+        else:
+            K = self.num_speculative_tokens if options.num_speculative_tokens is None else options.num_speculative_tokens
+        self._check(prompt_ids)
         started = time.perf_counter()
         where = self._choose_slot(prompt_ids, slot)
-        sampler = Sampler(sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None)
-        out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, max_tokens, stop,
-                                logprobs, record_top2_gaps, started)
+        grammar = options.grammar
+        sampler = Sampler(options.sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None)
+        out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, options.max_tokens,
+                                options.stop, options.logprobs, options.record_top2_gaps, started)
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids))
         self._prefill(where, gen.committed)
         where.gen = gen
@@ -220,7 +208,7 @@ class SpeculativeEngine:
             raise SpecDecodeError("step() takes running generations, each once: one has ended or is done")
         caps = [min(gen.k, gen.out.remaining - 1, gen.room) for gen in gens]
         if len(gens) > 1:
-            self._plan_batch(gens, caps)
+            plan_batch([g.drafter for g in gens], [g.committed for g in gens], caps)
         blocks = []
         for gen, cap in zip(gens, caps):
             t0 = time.perf_counter()
@@ -233,29 +221,12 @@ class SpeculativeEngine:
             for gen, (ids, _) in zip(gens, blocks)])
         results = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
         t2 = time.perf_counter()
-        gens[0].drafter.observe_verification(sum(len(ids) + 1 for ids, _ in blocks), t2 - t1)
+        observe_verification(gens[0].drafter, sum(len(ids) + 1 for ids, _ in blocks), t2 - t1)
         deltas = []
         for gen, (ids, _), lg, result in zip(gens, blocks, logits, results):
             gen.out.stats.verify_s += t2 - t1
             deltas.append(self._commit(gen, ids, result, lg))
         return deltas
-
-    @staticmethod
-    def _plan_batch(gens: Sequence[Generation], caps: Sequence[int]) -> None:
-        """Choose the K of every generation of a batched step together
-        (:func:`specdecode.costmodel.allocate_drafts` over the drafters' offers) and hand
-        each its quota; drafters without offers draft their own way (their caps count as
-        fixed tokens of the forward)."""
-        offers = [gen.drafter.offer(gen.committed, cap) if cap > 0 else None for gen, cap in zip(gens, caps)]
-        planned = [i for i, o in enumerate(offers) if o is not None]
-        if not planned:
-            return
-        fixed = sum(1 + (caps[i] if offers[i] is None else 0) for i in range(len(gens)))
-        gains = [np.diff(offers[i].expected) for i in planned]
-        quotas = allocate_drafts(gains, [offers[i].cost_s for i in planned], fixed, float(len(gens)),
-                                 offers[planned[0]].costs.upto)
-        for i, q in zip(planned, quotas):
-            gens[i].drafter.set_quota(q)
 
     def _draft(self, gen: Generation, k: int) -> tuple[list[int], np.ndarray | None]:
         """Up to k drafted ids (cut where the grammar rejects one) and their probs [k, V]."""
@@ -295,9 +266,8 @@ class SpeculativeEngine:
             gen.drafter.finish(gen.committed[:final_len])
         finally:
             slot.gen = None
-            gen.drafter.set_quota(None)
+            out.stats.controller_note = end_plan(gen.drafter)
         tail = out.end("length")
-        out.stats.controller_note = gen.drafter.explain()
         items: list[TextDelta | GenerationResult] = [tail] if tail or tail.token_ids else []
         return items + [out.result()]
 
@@ -319,15 +289,7 @@ class SpeculativeEngine:
         target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
         return verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
 
-    def _check(self, prompt_ids: Sequence[int], k: int, max_tokens: int, stop: Sequence[str],
-               logprobs: int | None) -> None:
-        check_num_speculative_tokens(k, allow_auto=False)
-        check_logprobs(logprobs)
-        if max_tokens < 1:
-            raise SpecDecodeError(f"max_tokens = {max_tokens} is out of range: expected max_tokens >= 1",
-                                  param="max_tokens")
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise SpecDecodeError(f"stop strings must be non-empty strings, got {list(stop)!r}", param="stop")
+    def _check(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
             raise SpecDecodeError("the prompt is empty: at least one token is needed", param="prompt")
         if len(prompt_ids) >= self.target.n_ctx:
@@ -351,10 +313,11 @@ class SpeculativeEngine:
         for slot in self.slots:
             slot.cached = []
 
-    def generate(self, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
+                 drafter: Drafter | None = None, **fields) -> GenerationResult:
         """Run :meth:`stream` to the end and return its GenerationResult."""
         result = None
-        for item in self.stream(prompt_ids, **kwargs):
+        for item in self.stream(prompt_ids, options, drafter=drafter, **fields):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None

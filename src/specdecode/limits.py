@@ -47,7 +47,7 @@ DEFAULT_DTYPE = "float32"
 DEFAULT_DEVICE = "cpu"
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -64,7 +64,7 @@ def check_num_speculative_tokens(value: object, name: str = "num_speculative_tok
     """
     if allow_auto and value == "auto":
         return "auto"
-    if not _is_int(value) or not (0 <= value <= MAX_NUM_SPECULATIVE_TOKENS):
+    if not is_int(value) or not (0 <= value <= MAX_NUM_SPECULATIVE_TOKENS):
         auto = " or 'auto'" if allow_auto else ""
         raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer "
                               f"0..{MAX_NUM_SPECULATIVE_TOKENS}{auto}", param=name)
@@ -73,7 +73,7 @@ def check_num_speculative_tokens(value: object, name: str = "num_speculative_tok
 
 def check_parallel(value: object, name: str = "parallel") -> int:
     """Concurrent generation slots, an integer 1..MAX_PARALLEL. Raises SpecDecodeError."""
-    if not _is_int(value) or not (1 <= value <= MAX_PARALLEL):
+    if not is_int(value) or not (1 <= value <= MAX_PARALLEL):
         raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer 1..{MAX_PARALLEL}",
                               param=name)
     return value
@@ -81,7 +81,7 @@ def check_parallel(value: object, name: str = "parallel") -> int:
 
 def check_logprobs(value: object, name: str = "logprobs") -> int | None:
     """None, or an integer 0..MAX_LOGPROBS. Raises SpecDecodeError (param ``name``)."""
-    if value is not None and (not _is_int(value) or not (0 <= value <= MAX_LOGPROBS)):
+    if value is not None and (not is_int(value) or not (0 <= value <= MAX_LOGPROBS)):
         raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected 0 <= {name.lstrip('-')} <= {MAX_LOGPROBS}",
                               param=name)
     return value

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from . import models
+from .assembly import registry
+from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
 from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEVICES, DTYPES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, check_num_speculative_tokens, check_parallel)
@@ -58,14 +59,10 @@ def non_negative_int(text: str) -> int:
 def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     """--target, --backend, --dtype, --device, --ctx-size, --threads, --draft-backend,
     --draft-vocab and, with ``draft``, --draft and --num-speculative-tokens/-k."""
-    p.add_argument("--target", default=models.DEFAULT_TARGET,
+    p.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help="registry name, .gguf path or Hugging Face folder (default: %(default)s)")
     if draft:
-        p.add_argument("--draft", default="auto",
-                       help="registry name, .gguf path, Hugging Face folder, 'ngram' (prompt lookup), 'suffix' "
-                            "(lookup in this and earlier requests), 'none' (plain decoding) or 'auto' (lookups when "
-                            f"they match, and the default draft model {models.DEFAULT_DRAFT} when it shares the "
-                            "target's tokenizer and pays) (default: %(default)s)")
+        p.add_argument("--draft", default="auto", help=draft_help(registry.DEFAULT_DRAFT))
         p.add_argument("--num-speculative-tokens", "-k", type=k_value, default="auto",
                        help=f"K, drafted tokens per step (0..{MAX_NUM_SPECULATIVE_TOKENS}), or 'auto': chosen each "
                             "step from measured costs (default: %(default)s)")

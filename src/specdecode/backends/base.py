@@ -54,6 +54,7 @@ class Backend(Protocol):
 
     name: str  # human-readable model name (file or registry name)
     path: Path | None  # the model file or folder, when loaded from one
+    known_sha256: str | None  # the model file's SHA-256 when its loader knows it (a registry model), else None
     n_threads: int | None  # CPU threads, where the backend has a setting
     device: str  # where the weights live ("cpu", "cuda")
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
@@ -146,6 +147,7 @@ class BackendBase:
 
     name: str
     path: Path | None = None
+    known_sha256: str | None = None
     n_threads: int | None = None
     device: str = "cpu"
     supports_greedy_draft = False

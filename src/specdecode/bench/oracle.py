@@ -3,7 +3,7 @@ committed by a controller that knows, before each step, how much of every draft 
 target will accept.
 
 Replayed offline over fixed greedy outputs with the measured target cost curve T(n)
-(:class:`specdecode.costmodel.CostCurve`, seconds for a forward of n tokens); no model
+(:class:`specdecode.control.costmodel.CostCurve`, seconds for a forward of n tokens); no model
 runs. At output position i every drafter proposes after ``prompt + output[:i]`` (at most
 ``kmax`` tokens, and at most the tokens left but one: the last token of a step is the
 target's own); n of the proposal agree with the output. The oracle takes the step
@@ -24,10 +24,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..costmodel import CostCurve
+from ..control.costmodel import CostCurve
 from ..drafters.base import Drafter
-from ..drafters.ngram import NgramDrafter
-from ..drafters.suffix import SuffixDrafter
+from ..drafters.kinds import AUTO, DraftRequest, auto_kinds
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from ..sampling import Sampler, SamplingParams
 
@@ -119,15 +118,16 @@ def oracle_speedup(results: Sequence[OracleResult]) -> float | None:
 
 def lookup_drafters(draft: str) -> list[Drafter] | None:
     """Fresh lookup drafters that a configuration's ``draft`` could draft with at no model
-    cost, for :func:`oracle_replay`: "ngram" prompt lookup; "suffix" suffix drafting;
-    "auto" both; "none" no drafter (the oracle is plain decoding). None for a draft model,
-    where the oracle is not defined."""
+    cost, for :func:`oracle_replay`: the kinds table's free lookups ("auto": all of them;
+    "ngram", "suffix": that one); "none" no drafter (the oracle is plain decoding). None for
+    a drafter with a model or weights, where the oracle is not defined."""
     if draft == "none":
         return []
-    if draft == "ngram":
-        return [NgramDrafter()]
-    if draft == "suffix":
-        return [SuffixDrafter()]
-    if draft == "auto":
-        return [NgramDrafter(), SuffixDrafter()]
-    return None
+    kinds = auto_kinds() if draft == AUTO else [k for k in auto_kinds() if k.name == draft]
+    if not kinds:
+        return None
+    return [k.build(DraftRequest(None, "", _no_model)) for k in kinds]  # lookups read no target
+
+
+def _no_model(name: str):
+    raise AssertionError("a lookup drafter loads no model")

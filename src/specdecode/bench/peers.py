@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping, Protocol, Sequence
 
-from .. import models
+from ..assembly import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend, extra_buffers_are_safe
 from ..engine import SpeculativeEngine
@@ -173,7 +173,7 @@ def start_peer(target: Backend, target_name: str, engines: Mapping[str, Speculat
     warm = list(warm_ids)
     if isinstance(target, LlamaCppBackend):
         try:
-            peer = PromptLookupPeer(models.resolve(target_name), min(n_ctx, PEER_MAX_N_CTX), target.n_threads)
+            peer = PromptLookupPeer(registry.resolve(target_name), min(n_ctx, PEER_MAX_N_CTX), target.n_threads)
             peer.run(warm, 8)
             return (peer, f"llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens={PEER_NUM_PRED_TOKENS}), "
                           "temperature 0", False)

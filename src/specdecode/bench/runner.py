@@ -20,16 +20,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import models
+from ..assembly import registry
 from ..api import Decoder
 from ..backends.base import Backend
-from ..costmodel import CostCurve, cached_forward_curve
+from ..control.costmodel import CostCurve, cached_forward_curve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX,
                       MAX_NUM_SPECULATIVE_TOKENS)
-from ..loading import make_controller, make_drafter
+from ..assembly.loading import make_controller, make_drafter
 from ..output import GenerationResult
 from ..parity import parity_report
 from ..sampling import SamplingParams
@@ -62,7 +62,7 @@ class BenchConfig:
     model is loaded).
     """
 
-    target: str = models.DEFAULT_TARGET
+    target: str = registry.DEFAULT_TARGET
     prompts: str | Path | None = None
     configs: tuple[str, ...] = DEFAULT_CONFIGS
     categories: tuple[str, ...] | None = None
@@ -191,7 +191,7 @@ def run_bench(config: BenchConfig) -> dict:
         oracle_drafters = {}
         if params.greedy:
             oracle_drafters = {d: ds for d in dict.fromkeys(drafts.values()) if (ds := lookup_drafters(d)) is not None}
-        curve = cached_forward_curve(target, COST_CURVE_NS, models.cache_dir()) if oracle_drafters else None
+        curve = cached_forward_curve(target, COST_CURVE_NS, registry.cache_dir()) if oracle_drafters else None
 
         def ids_of(p: BenchPrompt) -> list[int]:
             return dec.prompt_ids(p.prompt, p.messages)

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..drafters.kinds import KINDS
 from ..errors import SpecDecodeError
 from ..grammar import Grammar
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
@@ -105,11 +106,11 @@ def select_prompts(prompts: Sequence[BenchPrompt], categories: Iterable[str] | N
 
 def parse_config(text: str) -> tuple[str, int | str]:
     """'DRAFT:K' (K an integer 0..MAX_NUM_SPECULATIVE_TOKENS, or auto), or 'DRAFT' meaning
-    DRAFT:auto; DRAFT may be heads:FILE (its K, if any, after the file). Returns (draft, K).
+    DRAFT:auto; DRAFT may be a kind with an argument, heads:FILE (its K, if any, after it). Returns (draft, K).
     Raises SpecDecodeError (param ``--config``) otherwise."""
-    if text.startswith("heads:"):
+    if any(kind.arg and text.startswith(kind.name + ":") for kind in KINDS):  # NAME:ARG[:K]
         head, _, tail = text.rpartition(":")
-        draft, k = (head, tail) if head != "heads" and (tail == "auto" or tail.isdigit()) else (text, "")
+        draft, k = (head, tail) if ":" in head and (tail == "auto" or tail.isdigit()) else (text, "")
     else:
         draft, _, k = text.partition(":")
     if not draft:

@@ -27,7 +27,9 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+import copy
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -40,6 +42,19 @@ if TYPE_CHECKING:
 ContinuationRule = Callable[[int, float], bool]
 
 
+class Match(NamedTuple):
+    """Where prompt lookup found the context's suffix (NgramDrafter.lookup).
+
+    length: tokens the chosen occurrence agrees with the end of the context (0: none).
+    start: index of the token that followed it (the first to propose; -1: none).
+    unique: every earlier occurrence of the matched n-gram was followed by the same token.
+    """
+
+    length: int
+    start: int
+    unique: bool
+
+
 @dataclass
 class Draft:
     """token_ids: [K] drafted ids. probs: [K, V] the distribution each was drawn from, or
@@ -49,31 +64,17 @@ class Draft:
     probs: np.ndarray | None = None
 
 
-@dataclass
-class DraftOffer:
-    """What a cost-aware drafter expects of drafting after a context, for the batch planner.
-
-    expected: [K+1] expected committed tokens of a step drafting k = 0..K (expected[0] = 1;
-    non-decreasing, with non-increasing increments). cost_s: seconds per drafted token.
-    costs: the target's T(n) table source (``upto(n)`` -> T[0..>=n], seconds).
-    """
-
-    expected: np.ndarray
-    cost_s: float
-    costs: Any
-
-
 class Drafter(Protocol):
-    """What the engine and the controller need from a drafter.
+    """The drafter contract: the lifecycle the engine drives (see the module docstring).
 
-    has_lookup: the drafter answers ``lookup(context) -> Match`` (the kind of match it
-    would draft from) and ``available(context) -> int`` (the most tokens it could propose
-    there, 0 for none) before proposing, so that the controller can keep one acceptance
-    estimate per kind of match and skip a drafter with nothing to say.
+    What only the cost-aware controller needs is a declared extension, by subclassing:
+    :class:`LookupDrafter` (lookups that can say what they would match before proposing),
+    :class:`IncrementalDrafter` (a model that reads the text and drafts token by token), and
+    :class:`HiddenStateDrafter` (drafts from the target's hidden states of the verifying
+    forward); the controller itself is :class:`specdecode.control.planner.PlannedDrafter`.
     """
 
     name: str
-    has_lookup: bool
 
     def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
         """A generation begins: prompt_ids [L] is its prompt; sampler shapes and draws
@@ -92,35 +93,13 @@ class Drafter(Protocol):
     def close(self) -> None:
         """Free the models this drafter owns (idempotent)."""
 
-    def pending(self, context: Sequence[int]) -> int:
-        """Tokens of context the drafter must read before it can draft (0 for lookups)."""
-
-    def draft_backends(self) -> list["Backend"]:
-        """The model backends this drafter drafts with (none for lookups)."""
-
-    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
-        """A drafter that drafts token by token asks ``rule`` before each further token and
-        stops when it says no (the controller's cost rule); others ignore it."""
-
-    def observe_verification(self, n: int, seconds: float) -> None:
-        """The target verified n tokens (last committed + drafts) in ``seconds`` (its
-        forward and the acceptance rule): a free sample of T(n) for a cost-aware drafter."""
-
-    def explain(self) -> str:
-        """One line on what this drafter did in the last generation and why ("" if nothing
-        to say): the statistics block shows it."""
-
     def fork(self, seq: int) -> "Drafter":
         """A drafter of the same kind for another concurrent generation, drafting on KV
         sequence seq of the shared draft models; it shares models and measured costs, not
         per-generation state. Raises SpecDecodeError when the drafter cannot be shared."""
 
-    def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
-        """What drafting up to k tokens after context is expected to commit (a cost-aware
-        drafter), or None: the engine then lets it draft as it would alone."""
-
-    def set_quota(self, k: int | None) -> None:
-        """The batch planner's K for the next proposal (after an offer); None: alone."""
+    def draft_backends(self) -> list["Backend"]:
+        """The model backends this drafter drafts with and frees on close (none for lookups)."""
 
 
 class ContextMemo:
@@ -147,12 +126,18 @@ class ContextMemo:
         self._key, self._value = None, None
 
 
-class DrafterBase:
-    """Defaults of the optional parts of the Drafter protocol: no state to free, nothing
-    to catch up on, no models, token-by-token rules ignored."""
+class DrafterBase(ABC):
+    """Defaults of the lifecycle: no state to free, no models; ``fork`` gives an independent
+    copy (``copy.deepcopy``), right for a drafter whose state is its own. A drafter that
+    shares models or large structures across generations overrides ``fork``; one that can
+    serve only one generation says so in its row of :data:`specdecode.drafters.kinds.KINDS`
+    (``parallel=False``), so that ``--parallel > 1`` refuses it by name."""
 
     name = "base"
-    has_lookup = False
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        """Up to k tokens to follow context [L]."""
 
     def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
         pass
@@ -166,32 +151,51 @@ class DrafterBase:
     def close(self) -> None:
         pass
 
-    def pending(self, context: Sequence[int]) -> int:
-        return 0
+    def fork(self, seq: int) -> "Drafter":
+        return copy.deepcopy(self)
 
     def draft_backends(self) -> list["Backend"]:
         return []
 
+
+class LookupDrafter(DrafterBase):
+    """Extension: a lookup in the text that can say, before proposing, what kind of match it
+    would draft from (the controller keeps one acceptance estimate per kind of match, and
+    skips a drafter with nothing to say)."""
+
+    @abstractmethod
+    def lookup(self, context: Sequence[int]) -> Match:
+        """The match this drafter would draft from after context [L] (length 0: none)."""
+
+    @abstractmethod
+    def available(self, context: Sequence[int]) -> int:
+        """The most tokens it could propose after context [L] (0 for none)."""
+
+
+class IncrementalDrafter(DrafterBase):
+    """Extension: a model that must read the committed text before it drafts and drafts
+    token by token (a draft model): the controller prices its catch-up and may stop it
+    early."""
+
+    @abstractmethod
+    def pending(self, context: Sequence[int]) -> int:
+        """Tokens of context [L] the drafter must read before it can draft."""
+
+    @abstractmethod
     def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
-        pass
+        """Ask ``rule`` before each further drafted token and stop when it says no."""
 
-    def observe_verification(self, n: int, seconds: float) -> None:
-        pass
 
-    def explain(self) -> str:
-        return ""
+class HiddenStateDrafter(DrafterBase):
+    """Extension: drafts from the target's final hidden states, handed over after each
+    verifying forward (as llama.cpp's ``common_speculative_process`` hands the verifying
+    batch to its speculator). The engine asks the target for them only in a step where a
+    running generation's drafter is one of these."""
 
-    def fork(self, seq: int) -> "Drafter":
-        from ..errors import SpecDecodeError
-
-        raise SpecDecodeError(f"the {self.name!r} drafter serves one generation at a time: it cannot be forked "
-                              f"for concurrent generations")
-
-    def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
-        return None
-
-    def set_quota(self, k: int | None) -> None:
-        pass
+    @abstractmethod
+    def observe_hidden(self, positions: Sequence[int], hidden) -> None:
+        """The target's final hidden states [M, H] at absolute positions [M] of this
+        generation's sequence, from the step's verifying forward (or the prefill's last row)."""
 
 
 class NoDrafter(DrafterBase):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
+from ..files import sha256_file
 from .base import Draft, DrafterBase
 
 if TYPE_CHECKING:
@@ -56,23 +57,21 @@ class HeadsMismatchError(SpecDecodeError):
 
 
 def target_sha256(backend: "Backend") -> str:
-    """The identity heads are tied to: the registry's SHA-256 of the model's GGUF for a
-    registry model (on either backend: a torch conversion derives from that file); else
-    the SHA-256 of the model file, or of a folder's config.json and weight files; else (a
-    model built in memory) of its parameters."""
-    from .. import models
-
-    if backend.name in models.REGISTRY:
-        return models.get_spec(backend.name).sha256
+    """The identity heads are tied to: the model file's SHA-256 when the loader knows it (a
+    registry model, on either backend: a torch conversion derives from that GGUF,
+    ``Backend.known_sha256``); else the SHA-256 of the model file, or of a folder's
+    config.json and weight files; else (a model built in memory) of its parameters."""
+    if backend.known_sha256 is not None:
+        return backend.known_sha256
     path = Path(backend.path) if backend.path is not None else None
     if path is not None and path.is_file():
-        return models.sha256_file(path)
+        return sha256_file(path)
     h = hashlib.sha256()
     if path is not None and path.is_dir():
         for f in sorted(path.iterdir()):
             if f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".gguf"):
                 h.update(f.name.encode())
-                h.update(models.sha256_file(f).encode())
+                h.update(sha256_file(f).encode())
         return h.hexdigest()
     for name, tensor in backend.parameters():
         h.update(name.encode())

@@ -13,11 +13,11 @@ import numpy as np
 from ..backends.base import Backend, common_prefix_len
 from ..errors import SpecDecodeError
 from ..sampling import Sampler
-from ..vocab import check_vocab_compatible
-from .base import ContinuationRule, Draft, DrafterBase
+from ..backends.vocab import check_vocab_compatible
+from .base import ContinuationRule, Draft, IncrementalDrafter
 
 
-class ModelDrafter(DrafterBase):
+class ModelDrafter(IncrementalDrafter):
     """A smaller model on any backend drafts K tokens autoregressively.
 
     Greedy generations draft greedily (probs None); sampled ones draw each draft from the
@@ -34,7 +34,7 @@ class ModelDrafter(DrafterBase):
     was drawn from. Needs a backend whose ``supports_output_subset()`` is true (the torch
     backend with a plain output head).
 
-    A draft vocabulary that differs from the target's by padding (:mod:`specdecode.vocab`:
+    A draft vocabulary that differs from the target's by padding (:mod:`specdecode.backends.vocab`:
     Qwen2.5 0.5B's 151,936 ids under a 7B target's 152,064) drafts over the target's ids
     (V = target.n_vocab): draft logits for ids the target lacks are masked out before the
     argmax or the sampling, and ids the draft lacks get probability 0, so drafts are always
@@ -44,7 +44,7 @@ class ModelDrafter(DrafterBase):
     emitted), the drafter drafts nothing.
 
     Raises IncompatibleVocabularyError at construction when the vocabularies differ
-    (:func:`specdecode.vocab.check_vocab_compatible`: the text of a shared id, sizes far
+    (:func:`specdecode.backends.vocab.check_vocab_compatible`: the text of a shared id, sizes far
     apart, or extra ids that are not padding), showing the first mismatches;
     SpecDecodeError when vocab_subset is negative or the backend cannot restrict its output.
     """

@@ -8,28 +8,15 @@ Dimension letters: K = drafted tokens, L = context length.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ..errors import SpecDecodeError
-from .base import ContextMemo, Draft, DrafterBase
+from .base import ContextMemo, Draft, LookupDrafter, Match
 
 
-class Match(NamedTuple):
-    """Where prompt lookup found the context's suffix (NgramDrafter.lookup).
-
-    length: tokens the chosen occurrence agrees with the end of the context (0: none).
-    start: index of the token that followed it (the first to propose; -1: none).
-    unique: every earlier occurrence of the matched n-gram was followed by the same token.
-    """
-
-    length: int
-    start: int
-    unique: bool
-
-
-class NgramDrafter(DrafterBase):
+class NgramDrafter(LookupDrafter):
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
     Find earlier occurrences (prompt and generated text) of the last n tokens of the
@@ -42,7 +29,6 @@ class NgramDrafter(DrafterBase):
     """
 
     name = "ngram"
-    has_lookup = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_match: int = 64) -> None:
         if not (1 <= min_ngram <= max_ngram):

@@ -30,8 +30,7 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
-from .base import ContextMemo, Draft, DrafterBase
-from .ngram import Match
+from .base import ContextMemo, Draft, LookupDrafter, Match
 
 # An index key packs the last 3 tokens ending at a position, newest in the high bits:
 # c(t[p]) << 42 | c(t[p-1]) << 21 | c(t[p-2]), c(t) = t + 1 (0 before a sequence's start).
@@ -75,7 +74,7 @@ class _Plan(NamedTuple):
 _NONE = _Plan(Match(0, -1, False), [], [], None)
 
 
-class SuffixDrafter(DrafterBase):
+class SuffixDrafter(LookupDrafter):
     """Drafts from the current request and from earlier requests seen by this instance.
 
     Storage: one int32 token buffer [2 sentinels, seq 1, -1, seq 2, -1, ..., live request,
@@ -111,7 +110,6 @@ class SuffixDrafter(DrafterBase):
     """
 
     name = "suffix"
-    has_lookup = True
 
     def __init__(self, max_depth: int = 64, max_history_tokens: int = DEFAULT_HISTORY_TOKENS,
                  min_confidence: float = DEFAULT_MIN_CONFIDENCE, max_spec_factor: float = 1.0,

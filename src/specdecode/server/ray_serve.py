@@ -110,9 +110,9 @@ def app_builder(args: dict):
         opts["autoscaling"] = json.loads(opts["autoscaling"])
     if "num_cpus" in opts:
         opts["num_cpus"] = float(opts["num_cpus"])
-    from .. import models
+    from ..assembly import registry
 
-    model = args.get("target", models.DEFAULT_TARGET)
+    model = args.get("target", registry.DEFAULT_TARGET)
     return build_deployment(args, model_name=model, **opts)
 
 

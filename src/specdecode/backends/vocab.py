@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import hashlib
 
-from .backends.base import Backend
-from .errors import IncompatibleVocabularyError
+from .base import Backend
+from ..errors import IncompatibleVocabularyError
 
 # Most ids one vocabulary may have beyond the other's (all padding). llama.cpp's
 # speculative example allows 128 (SPEC_VOCAB_MAX_SIZE_DIFFERENCE): exactly Qwen2.5's

@@ -14,7 +14,7 @@ engine's K is the cap, the controller's proposal length is the K chosen.
 In a batched step (continuous batching) the forward is shared, and K is chosen for the
 whole batch: each generation's controller offers E(alpha, K) for K = 0..cap of its best
 drafter (:meth:`SpeculationController.offer`), and the engine's planner
-(:func:`specdecode.costmodel.allocate_drafts`) picks every generation's K together to
+(:func:`specdecode.control.costmodel.allocate_drafts`) picks every generation's K together to
 maximize the step's expected tokens per second, sum E_i(K_i) / (T_target(sum (1 + K_i)) +
 sum K_i T_draft,i), then hands each its quota (:meth:`set_quota`). Acceptance estimates
 stay per generation (each has its own forked controller); the measured curve and its
@@ -30,12 +30,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import Backend
+from ..backends.base import Backend
 from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens_upto
-from .drafters import ContinuationRule, Draft, Drafter, DrafterBase, DraftOffer
+from ..drafters.base import ContinuationRule, Draft, Drafter, IncrementalDrafter, LookupDrafter
 from .estimators import MATCH_PRIORS, AcceptanceEstimator, TwoRateEstimator, match_band
-from .limits import AUTO_KMAX
-from .sampling import Sampler
+from .planner import DraftOffer, PlannedDrafter
+from ..limits import AUTO_KMAX
+from ..sampling import Sampler
 
 
 # A drafter that did not have its whole last proposal accepted (a new copy, or a broken
@@ -93,12 +94,12 @@ class Source:
     estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     probe_gap: int = 0  # plain steps before the next probe; set by the controller
     prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
-    # For a drafter with lookup(context) -> Match (prompt lookup, ``has_lookup``): one
+    # For a LookupDrafter (prompt lookup, suffix): one
     # acceptance estimate per kind of match, (band index, unique), used instead of ``estimator``.
     bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
 
     def __post_init__(self) -> None:
-        if self.bands is None and self.drafter.has_lookup:
+        if self.bands is None and isinstance(self.drafter, LookupDrafter):
             self.bands = {(i, u): TwoRateEstimator(a1, a)
                           for u, priors in MATCH_PRIORS.items() for i, (a1, a) in enumerate(priors)}
 
@@ -115,6 +116,8 @@ class Source:
     def catch_up(self, context: Sequence[int]) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
         first feed every committed token it has not seen)."""
+        if not isinstance(self.drafter, IncrementalDrafter):
+            return 0.0
         return self.drafter.pending(context) * self.prefill_cost
 
     @property
@@ -128,7 +131,7 @@ class Source:
         return f"draft model {models[0].name}" if models else self.drafter.name
 
 
-class SpeculationController(DrafterBase):
+class SpeculationController(PlannedDrafter):
     """Chooses drafter and K per step; implements the Drafter protocol.
 
     sources: drafters with their measured cost per token (seconds). target_cost: T(n) of
@@ -166,7 +169,8 @@ class SpeculationController(DrafterBase):
         self.max_probe_gap = max_probe_gap
         for s in self.sources:
             s.probe_gap = probe_every
-            s.drafter.set_continuation_rule(self._continuation_rule(s))
+            if isinstance(s.drafter, IncrementalDrafter):
+                s.drafter.set_continuation_rule(self._continuation_rule(s))
         self._last: Source | None = None
         self._last_est: AcceptanceEstimator | TwoRateEstimator | None = None
         self._last_k = 0

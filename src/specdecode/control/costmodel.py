@@ -23,8 +23,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import Backend, SeqForward
-from .limits import MAX_NUM_SPECULATIVE_TOKENS
+from ..backends.base import Backend, SeqForward
+from ..files import write_text_atomic
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -206,7 +207,7 @@ def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, r
         except (ValueError, KeyError, TypeError):
             pass
     curve = measure_forward_curve(backend, ns)
-    _write_json(path, {**curve.to_dict(), "model": backend.name, "key": key, "measured_at": time.time()})
+    write_text_atomic(path, json.dumps({**curve.to_dict(), "model": backend.name, "key": key, "measured_at": time.time()}))
     return curve
 
 
@@ -218,14 +219,7 @@ def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return
-    _write_json(path, {**data, "stale": why})
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({**data, "stale": why}))
 
 
 class ObservedCurve:

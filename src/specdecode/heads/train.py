@@ -32,8 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .drafters.heads import MAX_HEADS, DraftHeads, heads_meta
-from .errors import SpecDecodeError
+from ..drafters.heads import MAX_HEADS, DraftHeads, heads_meta
+from ..errors import SpecDecodeError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html")
 

@@ -31,8 +31,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import SpecDecodeError
-from .output import GenerationResult
+from ..errors import SpecDecodeError
+from ..output import GenerationResult
 
 SYSTEMS = {"code": (None, "You are a careful coding assistant. Make only the requested change and return the "
                          "complete code.", "You are a senior Python developer."),

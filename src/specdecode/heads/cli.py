@@ -1,4 +1,4 @@
-"""``specdecode heads train``: train draft heads for a target (:mod:`specdecode.heads_train`)."""
+"""``specdecode heads train``: train draft heads for a target (:mod:`specdecode.heads.train`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
-from .errors import SpecDecodeError
-from .limits import DTYPES, check_parallel
+from ..errors import SpecDecodeError
+from ..limits import DTYPES, check_parallel
 
 
 TARGET_HELP = "registry name, .gguf path or Hugging Face folder (default: %(default)s)"
@@ -15,8 +15,8 @@ TARGET_HELP = "registry name, .gguf path or Hugging Face folder (default: %(defa
 
 def add_heads_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``heads train`` to the CLI's subparsers."""
-    from . import models
-    from .heads_train import TrainConfig
+    from ..assembly import registry
+    from .train import TrainConfig
 
     d = TrainConfig()
     h = subparsers.add_parser("heads", help="train draft heads on the target itself (blockwise parallel decoding)")
@@ -26,7 +26,7 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
                                   "projection) on the target's final hidden states over a text corpus, with the "
                                   "target's own greedy predictions as labels; writes a safetensors heads file for "
                                   "--draft heads:FILE. Runs the target on the torch backend.")
-    t.add_argument("--target", default=models.DEFAULT_TARGET, help=TARGET_HELP)
+    t.add_argument("--target", default=registry.DEFAULT_TARGET, help=TARGET_HELP)
     t.add_argument("--out", required=True, help="the heads file to write (safetensors)")
     t.add_argument("--heads", type=int, default=d.heads, help="K, heads to train (default: %(default)s)")
     t.add_argument("--tokens", type=int, default=d.tokens,
@@ -52,7 +52,7 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
                                   "(greedily, or sampled with --temperature) in parallel slots, and write them with its chat template to OUT/code.txt "
                                   "and OUT/chat.txt (self-distillation data, as Medusa-2). Then: specdecode heads "
                                   "train --corpus OUT.")
-    c.add_argument("--target", default=models.DEFAULT_TARGET, help=TARGET_HELP)
+    c.add_argument("--target", default=registry.DEFAULT_TARGET, help=TARGET_HELP)
     c.add_argument("--out", required=True, help="a folder to create (must not exist, or be empty)")
     c.add_argument("--prompts", type=int, default=200, help="conversations to make (default: %(default)s)")
     c.add_argument("--max-tokens", type=int, default=256, help="longest answer, in tokens (default: %(default)s)")
@@ -72,8 +72,8 @@ def cmd_heads_corpus(args: argparse.Namespace) -> int:
     """Generate the target's answers and write the corpus folder (atomically)."""
     import json
 
-    from .api import Decoder
-    from .heads_data import build_corpus, check_corpus_options, make_prompts
+    from ..api import Decoder
+    from .corpus import build_corpus, check_corpus_options, make_prompts
 
     # Every option is checked before the target loads.
     prompts = make_prompts(args.prompts, args.seed)
@@ -94,8 +94,8 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
     """Train and write the heads file (atomically: nothing is written when anything fails)."""
     import json
 
-    from .heads_train import TrainConfig, check_config, corpus_files, train_heads
-    from .loading import load_backend
+    from .train import TrainConfig, check_config, corpus_files, train_heads
+    from ..assembly.loading import load_backend
 
     cfg = TrainConfig(heads=args.heads, tokens=args.tokens, window=args.window, vocab_subset=args.vocab_subset,
                       epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, corpus=args.corpus)

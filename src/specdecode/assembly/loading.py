@@ -1,0 +1,155 @@
+"""Loading models and assembling drafters: what ``Decoder``, the benchmark and the server
+build a generation from.
+
+Backends: llama.cpp for .gguf files and registry names, torch for Hugging Face folders
+(``backend="auto"``). Drafters: a row of the kinds table
+(:data:`specdecode.drafters.kinds.KINDS`), or the cost-aware controller over several of
+them (``-k auto``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import registry
+from ..backends.base import Backend
+from ..backends.llama_cpp import LlamaCppBackend
+from ..control.controller import SpeculationController, Source
+from ..control.costmodel import cached_forward_curve, mark_stale
+from ..drafters import Drafter, NoDrafter
+from ..drafters.kinds import AUTO, DraftRequest, auto_kinds, check_draft_options, kind_of
+from ..errors import SpecDecodeError
+from ..limits import AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
+from ..backends.vocab import fingerprint_serves
+
+
+def backend_kind(name_or_path: str, backend: str = "auto") -> str:
+    """'llama.cpp' or 'torch'. auto: llama.cpp for .gguf files and registry names, torch for
+    Hugging Face folders. Raises SpecDecodeError for an unknown backend."""
+    check_choice(backend, BACKENDS, "backend")
+    if backend != "auto":
+        return backend
+    return "torch" if Path(name_or_path).expanduser().is_dir() else "llama.cpp"
+
+
+def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+                 dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True,
+                 n_seq: int = 1) -> Backend:
+    """Load a model on the chosen backend.
+
+    n_seq: sequences for concurrent generations (llama.cpp; the torch backend holds one
+    and raises SpecDecodeError for more).
+
+    llama.cpp: a registry name (pulled on first use) or a .gguf path.
+    torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
+    name (its cached conversion from ``specdecode models convert`` if present, else the GGUF).
+    Raises SpecDecodeError / ModelFileError naming the model.
+    """
+    kind = backend_kind(name_or_path, backend)
+    if kind == "llama.cpp":
+        path = registry.resolve(name_or_path, progress=progress)
+        return _known(LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq))
+    if n_seq != 1:
+        raise SpecDecodeError(f"the torch backend serves one sequence at a time: {n_seq} parallel sequences "
+                              f"(--parallel {n_seq}) need the llama.cpp backend (a GGUF model)", param="parallel")
+    from ..backends.torch_backend import TorchBackend
+
+    path = Path(name_or_path).expanduser()
+    if name_or_path in registry.REGISTRY:
+        folder = registry.hf_folder(name_or_path, dtype)
+        path = folder if (folder / "config.json").exists() else registry.resolve(name_or_path, progress=progress)
+    elif not path.is_dir():
+        registry.check_gguf_file(path)
+    return _known(TorchBackend.load(path, dtype=dtype, device=device, n_ctx=n_ctx, name=name_or_path))
+
+
+def _known(backend: Backend) -> Backend:
+    """Record the registry's SHA-256 of a registry model's file on its backend (the identity
+    draft heads are tied to, on either backend)."""
+    if backend.name in registry.REGISTRY:
+        backend.known_sha256 = registry.get_spec(backend.name).sha256
+    return backend
+
+
+def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+                 progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
+                 device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_seq: int = 1) -> Drafter:
+    """The drafter that ``draft`` names (a row of :data:`specdecode.drafters.kinds.KINDS`:
+    'none', 'ngram', 'suffix', 'heads:FILE', or a draft model: registry name, .gguf path or
+    HF folder on any backend, checked against the target's vocabulary). draft_vocab: see
+    ModelDrafter's vocab_subset (torch drafts; 0 = the full vocabulary). n_seq: KV sequences
+    of a draft model, one per concurrent generation (its forks draft on them).
+
+    Raises IncompatibleVocabularyError when the draft model's tokenizer differs (the
+    loaded draft is closed again), SpecDecodeError for an option the kind does not use.
+    """
+    check_draft_options(draft, n_seq, draft_vocab=draft_vocab, draft_backend=backend)
+    return _build(draft, target, dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend,
+                                      dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
+
+
+def _build(draft: str, target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
+    """The drafter of ``draft``'s kind; load_opts: :func:`load_backend`'s keywords for a draft model."""
+    kind, arg = kind_of(draft)
+    return kind.build(DraftRequest(target, arg, lambda name: load_backend(name, **load_opts), draft_vocab))
+
+
+def default_draft_serves(target: Backend) -> bool:
+    """Whether the registry's default draft model shares the target's tokenizer, by
+    comparing the target's vocabulary fingerprint with the one the registry records; a
+    target that is that vocabulary plus padding (Qwen2.5 7B and up) is recognised too
+    (:func:`specdecode.backends.vocab.fingerprint_serves`)."""
+    return fingerprint_serves(target, registry.get_spec(registry.DEFAULT_DRAFT).vocab_fingerprint)
+
+
+def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,
+                    n_threads: int | None = None, progress: bool = True, backend: str = "auto",
+                    dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0,
+                    n_seq: int = 1) -> Drafter:
+    """The cost-aware controller over the drafters that ``draft`` names.
+
+    draft: "auto" (the free lookups of the kinds table, plus the default draft model when it
+    shares the target's tokenizer), "none" (plain), or one kind (:func:`make_drafter`).
+    Measures the target's verification curve T(n) at COST_CURVE_NS up to kmax + 1 and a
+    draft model's cost per token once per model and machine (cached under the model cache);
+    the controller then follows the observed verification times, and marks the cached curve
+    stale when they drift far from it. n_seq: concurrent generations (the curve then also
+    covers the sizes of a batched step, BATCH_COST_CURVE_NS; a draft model gets n_seq KV
+    sequences).
+    """
+    check_draft_options(draft, n_seq, draft_vocab=draft_vocab, draft_backend=backend)
+    if draft == "none":
+        return NoDrafter()
+    cache = registry.cache_dir()
+    ns = sorted({n for n in COST_CURVE_NS if n <= kmax + 1} | {kmax + 1})
+    if n_seq > 1:
+        ns += [n for n in BATCH_COST_CURVE_NS if ns[-1] < n <= n_seq * (kmax + 1)]
+    curve = cached_forward_curve(target, ns, cache)
+    load_opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend, dtype=dtype,
+                     device=device, n_seq=n_seq)
+    if draft == AUTO:
+        names = [k.name for k in auto_kinds()]
+        if default_draft_serves(target):
+            names.append(registry.DEFAULT_DRAFT)
+    else:
+        names = [draft]
+    sources = []
+    try:
+        for name in names:
+            sources.append(_source(_build(name, target, load_opts, draft_vocab), kind_of(name)[0].cost_s))
+    except BaseException:
+        for s in sources:
+            s.drafter.close()
+        raise
+    return SpeculationController(sources, curve, kmax=kmax, learn_costs=True,
+                                 on_drift=lambda why: mark_stale(target, cache, why))
+
+
+def _source(drafter: Drafter, cost_s: float | None) -> Source:
+    """A drafter with its starting cost per drafted token: the kind's prior, or for a draft
+    model its measured one-token forward (and per-token catch-up from a 64-token forward)."""
+    if cost_s is not None:
+        return Source(drafter, cost_s)
+    (model,) = drafter.draft_backends()
+    draft_curve = cached_forward_curve(model, [1, 64], registry.cache_dir())
+    return Source(drafter, draft_curve(1), prefill_cost=draft_curve(64) / 64)

@@ -1,0 +1,141 @@
+"""The kinds of drafter that ``--draft`` (and ``Decoder(draft=...)``, the server, the bench
+configurations ``DRAFT:K``) can name: one row each, read by the ``--draft`` help, option
+validation, loading (:mod:`specdecode.assembly.loading`) and the bench's oracle.
+
+A new drafter is one file in this package and one row in :data:`KINDS`. A row builds its
+drafter from a :class:`DraftRequest`, which the assembly layer fills (drafters load no
+model themselves: ``request.load_model`` does). A kind whose drafter cannot be forked for
+concurrent generations says ``parallel=False``, and ``parallel > 1`` refuses it by name.
+
+``auto`` is not a kind: it is the cost-aware controller over the kinds marked ``in_auto``
+and the registry's default draft model (:func:`specdecode.assembly.loading.make_controller`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import SpecDecodeError
+from .base import Drafter, NoDrafter
+from .heads import load_heads_drafter
+from .model import ModelDrafter
+from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+
+AUTO = "auto"
+# Seconds per proposed token the controller starts from for drafters without a model to
+# measure (it then follows what proposals are observed to cost).
+LOOKUP_COST_S = 2e-4  # a numpy scan of the context: negligible next to a forward
+HEADS_COST_S = 2e-3  # K (H^2 + S H) multiply-adds
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What building a drafter may use.
+
+    target: the loaded target. arg: what follows ``KIND:`` in the name (``heads:FILE`` ->
+    FILE), or the whole name for a draft model. load_model(name): loads a draft model on
+    the draft backend with the decoder's context, threads, dtype, device and sequences.
+    draft_vocab: a torch draft model's output subset (0 = all).
+    """
+
+    target: "Backend"
+    arg: str
+    load_model: Callable[[str], "Backend"]
+    draft_vocab: int = 0
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter.
+
+    name: the kind's name (and how ``--draft`` names it, with ``:ARG`` when ``arg`` is set).
+    usage, help: for the ``--draft`` help. build: the drafter for a request.
+    arg: the meaning of ``NAME:ARG`` ("" for a kind that takes none).
+    options: the draft options it uses ("draft_backend", "draft_vocab"); any other given
+        with it is refused by name. cost_s: the controller's starting cost per drafted token
+        (seconds); None: measured (a draft model). in_auto: a free lookup that ``auto``
+        always drafts with (and the bench's oracle replays). parallel: forks for
+        concurrent generations.
+    """
+
+    name: str
+    usage: str
+    help: str
+    build: Callable[[DraftRequest], Drafter]
+    arg: str = ""
+    options: frozenset[str] = frozenset()
+    cost_s: float | None = LOOKUP_COST_S
+    in_auto: bool = False
+    parallel: bool = True
+
+
+def _model(req: DraftRequest) -> Drafter:
+    backend = req.load_model(req.arg)
+    try:
+        return ModelDrafter(backend, target=req.target, vocab_subset=req.draft_vocab)
+    except SpecDecodeError:
+        backend.close()
+        raise
+
+
+MODEL = DrafterKind("model", "NAME|PATH", "a draft model: registry name, .gguf path or Hugging Face folder",
+                    _model, options=frozenset({"draft_backend", "draft_vocab"}), cost_s=None)
+
+KINDS: tuple[DrafterKind, ...] = (
+    DrafterKind("none", "none", "plain decoding", lambda req: NoDrafter(), cost_s=0.0),
+    DrafterKind("ngram", "ngram", "prompt lookup", lambda req: NgramDrafter(), in_auto=True),
+    DrafterKind("suffix", "suffix", "lookup in this and earlier requests", lambda req: SuffixDrafter(), in_auto=True),
+    DrafterKind("heads", "heads:FILE", "draft heads trained on the target (specdecode heads train)",
+                lambda req: load_heads_drafter(req.arg, req.target), arg="FILE", cost_s=HEADS_COST_S),
+    MODEL,
+)
+
+
+def kind_of(draft: str) -> tuple[DrafterKind, str]:
+    """The kind a ``--draft`` value names and its argument: ``"ngram"`` -> (ngram, ""),
+    ``"heads:f.safetensors"`` -> (heads, "f.safetensors"); anything else is a draft model
+    named by it. Raises SpecDecodeError for "auto" (not a kind) or a non-string."""
+    if not isinstance(draft, str) or not draft:
+        raise SpecDecodeError(f"draft must be a non-empty string, got {draft!r}", param="draft")
+    if draft == AUTO:
+        raise SpecDecodeError("draft 'auto' is the controller over several kinds, not one kind", param="draft")
+    for kind in KINDS:
+        if kind is MODEL:
+            continue
+        if kind.arg and draft.startswith(kind.name + ":"):
+            return kind, draft[len(kind.name) + 1:]
+        if not kind.arg and draft == kind.name:
+            return kind, ""
+    return MODEL, draft
+
+
+def check_draft_options(draft: str, parallel: int = 1, **given: object) -> None:
+    """Refuse a draft option the named drafter does not use, and ``parallel > 1`` for a kind
+    that serves one generation. given: option name -> value, where a value that is falsy or
+    "auto" means not given. "auto" uses what its default draft model uses.
+    Raises SpecDecodeError naming the option and the drafter."""
+    used = MODEL.options if draft == AUTO else kind_of(draft)[0].options
+    for name, value in given.items():
+        if value and value != AUTO and name not in used:
+            raise SpecDecodeError(f"{name} = {value!r} applies to a draft model; draft {draft!r} has none",
+                                  param=name)
+    if draft != AUTO and parallel > 1 and not kind_of(draft)[0].parallel:
+        raise SpecDecodeError(f"draft {draft!r} serves one generation at a time: parallel = {parallel} needs "
+                              f"another drafter", param="parallel")
+
+
+def draft_help(default_draft: str) -> str:
+    """The ``--draft`` help, from the table."""
+    kinds = ", ".join(f"'{k.usage}' ({k.help})" for k in KINDS)
+    return (f"{kinds}, or 'auto' (lookups when they match, and the default draft model {default_draft} when it "
+            f"shares the target's tokenizer and pays) (default: %(default)s)")
+
+
+def auto_kinds() -> list[DrafterKind]:
+    """The free lookups that ``auto`` drafts with."""
+    return [k for k in KINDS if k.in_auto]

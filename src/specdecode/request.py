@@ -1,0 +1,123 @@
+"""What one generation asks for: :class:`GenerationOptions`, one object from the server's
+request parsing (:mod:`specdecode.server.protocol`) through the Python API
+(:class:`specdecode.api.Decoder`) to the engine (:meth:`specdecode.engine.SpeculativeEngine.begin`).
+
+The options are checked once, when the object is made, and every error names the option and
+what it accepts (a misspelt or mistyped option must not be ignored or fail deep in a step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .errors import SpecDecodeError
+from .grammar import Grammar
+from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens, is_int
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """One generation's options.
+
+    sampling: how the target's logits become tokens (:class:`SamplingParams`; greedy by default).
+    max_tokens: exact cap on generated tokens (>= 1).
+    stop: strings that end the output (excluded from it); a str is one stop string.
+    logprobs: None, or N (0..MAX_LOGPROBS): the N most likely tokens per emitted token.
+    record_top2_gaps: record the target's top-2 logit gap per emitted token (parity reports).
+    grammar: structured output (:mod:`specdecode.grammar`), or None.
+    plain: decode without the drafter (the baseline on the same loaded target).
+    num_speculative_tokens: K for this generation (0..MAX_NUM_SPECULATIVE_TOKENS), or None
+        for the engine's.
+
+    Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
+    """
+
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    record_top2_gaps: bool = False
+    grammar: Grammar | None = None
+    plain: bool = False
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise SpecDecodeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}",
+                                  param="sampling")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens = {self.max_tokens!r} is out of range: expected an integer "
+                                  f"max_tokens >= 1", param="max_tokens")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif stop is None:
+            stop = ()
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            raise SpecDecodeError(f"stop must be a string or a list of strings, got {type(stop).__name__} "
+                                  f"{stop!r}", param="stop")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SpecDecodeError(f"stop strings must be non-empty strings, got {list(stop)!r}", param="stop")
+        object.__setattr__(self, "stop", stop)
+        check_logprobs(self.logprobs)
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise SpecDecodeError(f"grammar must be a specdecode.grammar.Grammar (e.g. Grammar.json_schema"
+                                  f"({{...}}) or Grammar('regex', '[0-9]+')), got {type(self.grammar).__name__} "
+                                  f"{self.grammar!r}", param="grammar")
+        if self.num_speculative_tokens is not None:
+            check_num_speculative_tokens(self.num_speculative_tokens, allow_auto=False)
+        for name in ("record_top2_gaps", "plain"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecDecodeError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
+
+    @classmethod
+    def from_kwargs(cls, base: "GenerationOptions | None" = None, **kwargs: Any) -> "GenerationOptions":
+        """Options from keyword arguments: the fields above, and the fields of
+        :class:`SamplingParams` (temperature, top_p, seed, ...) directly. base: options to
+        start from. Raises SpecDecodeError naming an unknown keyword and the known ones."""
+        own = {f.name for f in fields(cls)}
+        sampling_names = set(SamplingParams.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - own - sampling_names)
+        if unknown:
+            raise SpecDecodeError(f"unknown option(s) {', '.join(unknown)}: the options are "
+                                  f"{', '.join(sorted(own - {'sampling'}))} and the sampling options "
+                                  f"{', '.join(SamplingParams.__dataclass_fields__)}", param=unknown[0])
+        base = base or cls()
+        sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in sampling_names}
+        if sampling:
+            if "sampling" in kwargs:
+                raise SpecDecodeError(f"give sampling= or its fields ({', '.join(sorted(sampling))}), not both",
+                                      param="sampling")
+            kwargs["sampling"] = sampling_params(base.sampling, **sampling)
+        return replace(base, **kwargs)
+
+
+def sampling_params(base: SamplingParams | None = None, **fields_: Any) -> SamplingParams:
+    """SamplingParams from keyword arguments (over base); an unknown name or a value of the
+    wrong type is a SpecDecodeError naming it (a misspelt option must not be ignored)."""
+    known = SamplingParams.__dataclass_fields__
+    unknown = sorted(set(fields_) - set(known))
+    if unknown:
+        raise SpecDecodeError(f"unknown option(s) {', '.join(unknown)}: the sampling options are "
+                              f"{', '.join(known)}", param=unknown[0])
+    for name, value in fields_.items():
+        want = _SAMPLING_TYPES[name]
+        if value is None and name == "seed":
+            continue
+        if want is int and not is_int(value) or want is float and not _is_number(value):
+            kind = "an integer" if want is int else "a number"
+            raise SpecDecodeError(f"{name} = {value!r} is not {kind}", param=name)
+    return replace(base or SamplingParams(), **{k: (float(v) if _SAMPLING_TYPES[k] is float else v)
+                                                 for k, v in fields_.items()})
+
+
+_SAMPLING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
+                   "frequency_penalty": float, "presence_penalty": float, "penalty_last_n": int, "seed": int}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
