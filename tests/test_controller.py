@@ -8,7 +8,7 @@ import pytest
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import AcceptanceEstimator
 from specdecode.control.costmodel import CostCurve, best_k, expected_tokens, expected_tokens_positional, fit_linear, step_rate
-from specdecode.drafters import Draft, DrafterBase, NgramDrafter, NoDrafter
+from specdecode.drafters import Draft, DrafterBase, IncrementalDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
 from specdecode.sampling import Sampler, SamplingParams
@@ -73,6 +73,16 @@ class FixedDrafter(DrafterBase):
     def propose(self, context, k):
         self.calls += 1
         return Draft([self.token] * k)
+
+
+class FixedModel(FixedDrafter, IncrementalDrafter):
+    """A FixedDrafter that, like a draft model, must read the text before drafting."""
+
+    def pending(self, context):
+        return 0
+
+    def set_continuation_rule(self, rule):
+        pass
 
     def observe(self, n):
         pass
@@ -177,7 +187,7 @@ def test_failed_probes_back_off_and_lagging_draft_models_are_not_probed():
     assert gaps and gaps[-1] > 4 * gaps[0]  # exponential back-off
     assert c.sources[0].probe_gap > 4
 
-    class Lagging(FixedDrafter):
+    class Lagging(FixedModel):
         def pending(self, context):
             return 500  # a draft model 500 tokens behind the text
 
@@ -192,7 +202,7 @@ def test_a_draft_model_that_pays_catches_up_once():
     verification, as a bf16 torch target on a CPU with a llama.cpp draft), and still never
     on a compute-bound target where it cannot pay at all."""
 
-    class Lagging(FixedDrafter):
+    class Lagging(FixedModel):
         def __init__(self, token):
             super().__init__(token, "model")
             self.behind = 500

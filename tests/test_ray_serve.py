@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from specdecode.api import Decoder
-from specdecode.server import create_app
+from specdecode.server import ServerOptions, create_app
 
 from test_server import CHAT, MODEL, PROMPTS, ServerThread
 
@@ -34,8 +34,9 @@ def ray_url():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     try:
-        serve_replicas(dict(KW, progress=False), MODEL, "127.0.0.1", port, replicas=2, max_queue=8, api_key=None,
-                       max_body_bytes=1 << 20, metrics_port=metrics, block=False)
+        options = ServerOptions(model_name=MODEL, host="127.0.0.1", port=port, replicas=2, max_queue=8,
+                                max_body_bytes=1 << 20, metrics_port=metrics, warmup=True)
+        serve_replicas(dict(KW, progress=False), options, block=False)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
         while True:  # the replicas load their models and warm up
@@ -84,3 +85,21 @@ def test_two_replicas_answer_the_openai_client_as_the_single_server(ray_url, sin
         served += sum(float(line.split()[-1]) for line in text.splitlines()
                       if line.startswith("specdecode:request_success_total"))
     assert served == 4  # the four requests above, wherever the router sent them
+
+
+def test_app_builder_reads_key_value_strings(monkeypatch):
+    """``serve run ...:app_builder key=value``: the Decoder's options and the server's,
+    each converted from its string to its option's type."""
+    from specdecode.server import ray_serve
+
+    seen = {}
+    monkeypatch.setattr(ray_serve, "build_deployment",
+                        lambda kwargs, options: seen.update(kwargs=kwargs, options=options))
+    ray_serve.app_builder({"target": MODEL, "num_speculative_tokens": "4", "n_ctx": "512", "parallel": "2",
+                           "replicas": "2", "max_queue": "8", "max_body_bytes": "1000", "autoscaling": '{"a": 1}'})
+    assert seen["kwargs"] == {"target": MODEL, "num_speculative_tokens": 4, "n_ctx": 512, "parallel": 2}
+    o = seen["options"]
+    assert (o.model_name, o.replicas, o.max_queue, o.max_body_bytes, o.autoscaling, o.warmup) == (
+        MODEL, 2, 8, 1000, {"a": 1}, True)
+    ray_serve.app_builder({"num_speculative_tokens": "auto"})
+    assert seen["kwargs"] == {"num_speculative_tokens": "auto"}

@@ -7,15 +7,19 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from specdecode.errors import ContextOverflowError, SpecDecodeError
 from specdecode.limits import MAX_LOGPROBS, MAX_N
+from specdecode.request import GenerationOptions
+from specdecode.sampling import SamplingParams
 from specdecode.server import APIError, GenRequest, add_serve_parser, parse_request
 from specdecode.server.cli import API_KEY_ENV, api_key_from
-from specdecode.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_TEMPERATURE,
-                                        MAX_TEMPERATURE, from_specdecode_error, parse_json_body, resolve_max_tokens)
+from specdecode.server.config import DEFAULT_MAX_BODY_BYTES, ServerOptions
+from specdecode.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_TEMPERATURE,
+                                        from_specdecode_error, parse_json_body, resolve_max_tokens)
 
 MODEL = "smollm2-135m-instruct"
 N_CTX = 512
@@ -163,27 +167,32 @@ def test_json_body_decodes():
 def test_minimal_completion():
     req = parse("c", {"model": MODEL, "prompt": "hi"})
     assert req == GenRequest(kind="completion", prompt="hi", messages=None, max_tokens=None,
-                             sampling={"temperature": DEFAULT_TEMPERATURE}, stream=False, include_usage=False,
-                             logprobs=None, n=1)
+                             options=GenerationOptions(sampling=SamplingParams(temperature=DEFAULT_TEMPERATURE)),
+                             stream=False, include_usage=False, n=1)
+    assert req.logprobs is None
 
 
 def test_missing_temperature_is_openais_default_of_1():
     assert DEFAULT_TEMPERATURE == 1.0
     for body in ({}, {"temperature": None}):
-        assert parse("c", {"model": MODEL, "prompt": "hi", **body}).sampling["temperature"] == 1.0
-        assert parse("x", {"model": MODEL, "messages": CHAT, **body}).sampling["temperature"] == 1.0
-    assert parse("c", {"model": MODEL, "prompt": "hi", "temperature": 0}).sampling["temperature"] == 0.0
+        assert parse("c", {"model": MODEL, "prompt": "hi", **body}).options.sampling.temperature == 1.0
+        assert parse("x", {"model": MODEL, "messages": CHAT, **body}).options.sampling.temperature == 1.0
+    assert parse("c", {"model": MODEL, "prompt": "hi", "temperature": 0}).options.sampling.temperature == 0.0
 
 
 def test_n_choices_and_their_seeds():
     req = parse("x", {"model": MODEL, "messages": CHAT, "n": MAX_N, "max_tokens": N_CTX // MAX_N, "seed": 7})
     assert req.n == MAX_N
-    assert [req.choice_sampling(i)["seed"] for i in range(3)] == [7, 8, 9]
-    assert req.choice_sampling(0) is req.sampling and req.sampling["seed"] == 7  # the request's own is unchanged
+    choices = [req.choice_options(i, 5) for i in range(3)]
+    assert [c.sampling.seed for c in choices] == [7, 8, 9]
+    assert all(c.max_tokens == 5 for c in choices)
+    # Only the seed differs between choices, and the request's own options are unchanged.
+    assert choices[1] == replace(choices[0], sampling=replace(choices[0].sampling, seed=8))
+    assert req.options.sampling.seed == 7 and choices[0] == replace(req.options, max_tokens=5)
     unseeded = parse("c", {"model": MODEL, "prompt": "hi", "n": 3})
-    assert all("seed" not in unseeded.choice_sampling(i) for i in range(3))
+    assert all(unseeded.choice_options(i, 5).sampling.seed is None for i in range(3))
     wraps = parse("c", {"model": MODEL, "prompt": "hi", "n": 2, "seed": 2**64 - 1})
-    assert wraps.choice_sampling(1)["seed"] == 0
+    assert wraps.choice_options(1, 5).sampling.seed == 0
     assert parse("c", {"model": MODEL, "prompt": "hi"}).n == 1
 
 
@@ -192,16 +201,17 @@ def test_completion_sampling_stop_and_logprobs():
                       "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                       "seed": 3, "stop": "\n", "logprobs": 3})
     assert req.max_tokens == 7 and req.logprobs == 3
-    assert req.sampling == {"temperature": 1.0, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1,
-                            "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 40, "seed": 3,
-                            "stop": ["\n"], "logprobs": 3}
-    assert type(req.sampling["temperature"]) is float and type(req.sampling["top_k"]) is int
+    assert req.options == GenerationOptions(
+        sampling=SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+                                frequency_penalty=-0.5, top_k=40, seed=3), stop=("\n",), logprobs=3)
+    sampling = req.options.sampling
+    assert type(sampling.temperature) is float and type(sampling.top_k) is int
 
 
 def test_range_edges_are_accepted():
     req = parse("c", {"model": MODEL, "prompt": "hi", "max_tokens": N_CTX, "temperature": MAX_TEMPERATURE,
                       "logprobs": MAX_LOGPROBS})
-    assert (req.max_tokens, req.sampling["temperature"], req.logprobs) == (N_CTX, MAX_TEMPERATURE, MAX_LOGPROBS)
+    assert (req.max_tokens, req.options.sampling.temperature, req.logprobs) == (N_CTX, MAX_TEMPERATURE, MAX_LOGPROBS)
     assert parse("c", {"model": MODEL, "prompt": "hi", "logprobs": 0}).logprobs == 0
 
 
@@ -209,7 +219,8 @@ def test_nulls_harmless_defaults_and_empty_stop_are_no_ops():
     req = parse("c", {"model": MODEL, "prompt": "hi", "max_tokens": None, "temperature": None, "stop": [],
                       "stream_options": None, "n": 1, "echo": False, "best_of": 1, "logit_bias": {},
                       "response_format": {"type": "text"}, "tools": [], "user": "u", "suffix": None})
-    assert req.sampling == {"temperature": 1.0} and req.max_tokens is None and req.stream is False
+    assert req.options == GenerationOptions(sampling=SamplingParams(temperature=1.0))
+    assert req.max_tokens is None and req.stream is False
 
 
 def test_max_completion_tokens_is_max_tokens():
@@ -232,11 +243,11 @@ def test_chat_messages_and_logprobs():
     req = parse("x", {"model": MODEL, "messages": msgs, "logprobs": True, "top_logprobs": 2})
     assert req.kind == "chat" and req.prompt is None
     assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    assert req.logprobs == 2 and req.sampling == {"temperature": 1.0, "logprobs": 2}
+    assert req.logprobs == 2 and req.options == GenerationOptions(sampling=SamplingParams(temperature=1.0), logprobs=2)
     # logprobs alone: the chosen token's logprob, no alternatives.
     assert parse("x", {"model": MODEL, "messages": CHAT, "logprobs": True}).logprobs == 0
     req = parse("x", {"model": MODEL, "messages": CHAT, "logprobs": False})
-    assert req.logprobs is None and "logprobs" not in req.sampling
+    assert req.logprobs is None and req.options.logprobs is None
 
 
 # ------------------------------------------------------------------ errors from the library
@@ -270,7 +281,7 @@ def test_sampling_errors_name_the_field(field, value):
 
 def req(kind: str, max_tokens: int | None, n: int = 1) -> GenRequest:
     return GenRequest(kind=kind, prompt="p" if kind == "completion" else None,
-                      messages=None if kind == "completion" else CHAT, max_tokens=max_tokens, sampling={}, n=n)
+                      messages=None if kind == "completion" else CHAT, max_tokens=max_tokens, n=n)
 
 
 def test_resolve_max_tokens_defaults():
@@ -358,10 +369,10 @@ def test_response_format_becomes_a_grammar():
     def parsed(rf):
         return parse_request({"model": MODEL, "messages": CHAT, "response_format": rf}, "chat", MODEL, 4096)
 
-    assert "grammar" not in parsed({"type": "text"}).sampling
-    assert parsed({"type": "json_object"}).sampling["grammar"] == Grammar("json_object", name="response_format")
+    assert parsed({"type": "text"}).options.grammar is None
+    assert parsed({"type": "json_object"}).options.grammar == Grammar("json_object", name="response_format")
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    g = parsed({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}).sampling["grammar"]
+    g = parsed({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}).options.grammar
     assert g.kind == "json_schema" and json.loads(g.source) == schema and g.name == "response_format"
 
 
@@ -377,3 +388,51 @@ def test_bad_response_format(rf, param):
     with pytest.raises(APIError) as e:
         parse_request({"model": MODEL, "messages": CHAT, "response_format": rf}, "chat", MODEL, 4096)
     assert (e.value.status, e.value.param) == (400, param)
+
+
+# ------------------------------------------------------------------ the server's options
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("max_queue", 0, "max_queue = 0 is out of range: expected an integer >= 1"),
+    ("max_body_bytes", True, "max_body_bytes = True is out of range"),
+    ("port", 70000, "port = 70000 is out of range: expected an integer 0..65535"),
+    ("metrics_port", 0, "metrics_port = 0 is out of range: expected an integer 1..65535"),
+    ("replicas", 0, "replicas = 0 is out of range"),
+    ("api_key", "", "api_key is not valid: expected a non-empty string"),
+    ("model_name", "", "model_name = '' is not valid"),
+    ("autoscaling", [1], "autoscaling = [1] is not valid"),
+    ("num_cpus", -1, "num_cpus = -1 is out of range"),
+    ("warmup", "yes", "warmup = 'yes' is not valid"),
+])
+def test_server_options_are_checked_once_naming_the_option(field, value, fragment):
+    with pytest.raises(SpecDecodeError) as e:
+        ServerOptions(**{field: value})
+    assert e.value.param == field and fragment in str(e.value)
+
+
+def test_server_options_from_the_command_line_name_the_flag(monkeypatch):
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--target", MODEL, "--max-queue", "3", "--max-body-bytes", "100", "--port", "9"])
+    opts = ServerOptions.from_args(args, "k")
+    assert (opts.model_name, opts.max_queue, opts.max_body_bytes, opts.port, opts.api_key, opts.warmup, opts.on_ray) \
+        == (MODEL, 3, 100, 9, "k", True, False)
+    with pytest.raises(SpecDecodeError) as e:
+        ServerOptions.from_args(p.parse_args(["serve", "--replicas", "0"]), None)
+    assert (e.value.param, str(e.value)) == ("--replicas", "--replicas 0 is out of range: expected an integer >= 1")
+    with pytest.raises(SpecDecodeError) as e:
+        ServerOptions.from_args(p.parse_args(["serve", "--autoscaling", "[1]"]), None)
+    assert e.value.param == "--autoscaling"
+
+
+def test_server_options_from_key_value_strings():
+    opts = ServerOptions.from_strings({"max_queue": "4", "api_key": "k", "autoscaling": '{"min_replicas": 1}',
+                                       "num_cpus": "1.5", "warmup": "false", "metrics_port": 9100, "replicas": "2"})
+    assert (opts.max_queue, opts.api_key, opts.autoscaling, opts.num_cpus, opts.warmup, opts.metrics_port,
+            opts.replicas) == (4, "k", {"min_replicas": 1}, 1.5, False, 9100, 2)
+    for bad, param in [({"max_queue": "many"}, "max_queue"), ({"max_queue": "0"}, "max_queue"),
+                       ({"autoscaling": "{"}, "autoscaling"), ({"max_qeue": "4"}, "max_qeue")]:
+        with pytest.raises(SpecDecodeError) as e:
+            ServerOptions.from_strings(bad)
+        assert e.value.param == param

@@ -11,7 +11,7 @@ from specdecode.assembly import loading
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import match_band
 from specdecode.control.costmodel import CostCurve
-from specdecode.drafters import NgramDrafter, NoDrafter, SuffixDrafter
+from specdecode.drafters import IncrementalDrafter, LookupDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.parity import parity_report
@@ -113,10 +113,10 @@ def test_drafts_stop_where_the_confidence_falls_below_the_threshold():
     assert drafter(0.1).propose(ctx, 8).token_ids == [1, 2, 3, 5]
     assert drafter(0.1).lookup(ctx).unique and not drafter(0.1).lookup(ctx + [1]).unique
     assert drafter(0.1)._plan(ctx).confs == pytest.approx([1.0, 0.75, 0.5, 0.25])
-    # The controller's token-by-token rule is for draft models; a lookup's K is the
-    # controller's choice from its per-kind estimate, so the rule does not cut it.
+    # The controller's token-by-token rule is for draft models (IncrementalDrafter); a
+    # lookup's K is the controller's choice from its per-kind estimate, so it gets no rule.
     d = drafter(0.1)
-    d.set_continuation_rule(lambda i, p_cum: False)
+    assert isinstance(d, LookupDrafter) and not isinstance(d, IncrementalDrafter)
     assert d.propose(ctx, 8).token_ids == [1, 2, 3, 5]
     with pytest.raises(SpecDecodeError):
         SuffixDrafter(min_confidence=1.5)

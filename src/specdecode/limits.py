@@ -25,11 +25,12 @@ COST_CURVE_NS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
 BATCH_COST_CURVE_NS = (48, 64, 96, 128)
 # logprobs: the most likely tokens reported per emitted token (OpenAI's limit).
 MAX_LOGPROBS = 20
-# n, choices per server request. The engine serves one sequence at a time, so a request's
-# choices run one after another and hold the worker n times as long as one choice would,
-# while every request queued behind it waits. 8 covers what n is used for (a handful of
-# samples to pick from or vote over) and keeps that wait within an order of magnitude of
-# a plain request; the server also caps n * max_tokens at the context size.
+# n, choices per server request. A request's choices run one after another in the one
+# slot it holds (the server's --parallel slots serve different requests at once), so it
+# holds that slot n times as long as one choice would, and while every slot is taken the
+# requests queued behind wait. 8 covers what n is used for (a handful of samples to pick
+# from or vote over) and keeps that wait within an order of magnitude of a plain request;
+# the server also caps n * max_tokens at the context size.
 MAX_N = 8
 # --parallel: slots for concurrent generations in one batch. Each slot holds a KV cache of
 # n_ctx tokens (llama.cpp allocates n_ctx * slots cells at load), and a batched step of

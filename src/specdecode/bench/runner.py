@@ -154,6 +154,60 @@ def _add_oracle(runs: list[tuple[list[int], list[int], list[dict]]], drafts: dic
                 row["oracle_time_s"], row["oracle_plain_time_s"] = r.time_s, r.plain_s
 
 
+def _start_peers(config: BenchConfig, target: Backend, engines: dict[str, SpeculativeEngine],
+                 prompts: list[BenchPrompt], ids_of) -> tuple[object, str | None, bool]:
+    """The peer runner (or None), its note, and whether it also runs assisted generation;
+    the note says which prompts the peers skip (those with a grammar)."""
+    free = [p for p in prompts if p.grammar is None]  # the prompts a peer can run
+    peer, note, assisted = None, None, False
+    if config.peer and free:
+        peer, note, assisted = start_peer(target, config.target, engines, config.n_ctx, ids_of(free[0]))
+    if config.peer and len(free) < len(prompts):
+        skipped = (f"skipped on {len(prompts) - len(free)} of {len(prompts)} prompts, those with a grammar "
+                   "(peers cannot constrain output)")
+        note = f"{note}; {skipped}" if note else f"peers {skipped}"
+    return peer, note, assisted
+
+
+def _run_peer(peer, assisted: bool, ids: list[int], p: BenchPrompt) -> tuple[float | None, float | None, str]:
+    """(peer rate, assisted rate, "" or a note on the failure): one failed peer run must not
+    lose the benchmark."""
+    rate = assisted_rate = None
+    try:
+        rate = peer.run(ids, p.max_tokens)[1]
+        if assisted:
+            assisted_rate = peer.run(ids, p.max_tokens, assisted=True)[1]
+    except Exception as e:
+        return rate, assisted_rate, f"failed on {p.id}: {type(e).__name__}: {e}"
+    return rate, assisted_rate, ""
+
+
+def _oracle_setup(drafts: dict[str, str], target: Backend, greedy: bool) -> tuple[dict[str, list], CostCurve | None]:
+    """The oracle's lookup drafters per draft (kept across prompts) and the target's T(n).
+    The oracle needs greedy outputs and drafters without model cost. The curve is measured
+    (or read from the cache) before any generation, as the controller's is: measuring rolls
+    the target's cache back."""
+    oracle_drafters = {}
+    if greedy:
+        oracle_drafters = {d: ds for d in dict.fromkeys(drafts.values()) if (ds := lookup_drafters(d)) is not None}
+    curve = cached_forward_curve(target, COST_CURVE_NS, registry.cache_dir()) if oracle_drafters else None
+    return oracle_drafters, curve
+
+
+def _warm_up(prompts: list[BenchPrompt], ids_of, target: Backend, plain_engine: SpeculativeEngine,
+             engines: dict[str, SpeculativeEngine], params) -> tuple[list[int], list[int], list]:
+    """Compile the prompts' grammars (vocabulary and schema: no timed run pays for it) and
+    run every engine once on the first prompt. Returns the warm-up as an oracle run (prompt
+    ids, plain output, no rows): the oracle's drafters see it as the engines' did."""
+    for g in dict.fromkeys(p.grammar for p in prompts if p.grammar is not None):
+        check_grammar(g, target)
+    w = ids_of(prompts[0])
+    warm = plain_engine.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
+    for eng in engines.values():
+        eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
+    return w, warm.token_ids, []
+
+
 def run_bench(config: BenchConfig) -> dict:
     """Load the target and the configurations' drafters, warm up, and time plain decoding,
     each configuration and the peers on every selected prompt.
@@ -185,37 +239,15 @@ def run_bench(config: BenchConfig) -> dict:
         _build_engines(config, target, engines)
         names = list(engines)
         drafts = {f"{d}:{k}": d for d, k in config.parsed_configs()}
-        # The oracle needs greedy outputs and drafters without model cost; one drafter list
-        # per draft, kept across prompts. Measured (or read from the cache) before any
-        # generation, as the controller's curve is: measuring rolls the target's cache back.
-        oracle_drafters = {}
-        if params.greedy:
-            oracle_drafters = {d: ds for d in dict.fromkeys(drafts.values()) if (ds := lookup_drafters(d)) is not None}
-        curve = cached_forward_curve(target, COST_CURVE_NS, registry.cache_dir()) if oracle_drafters else None
+        oracle_drafters, curve = _oracle_setup(drafts, target, params.greedy)
 
         def ids_of(p: BenchPrompt) -> list[int]:
             return dec.prompt_ids(p.prompt, p.messages)
 
-        # Compiled once here (vocabulary and schema), so that no timed run pays for it.
-        for g in dict.fromkeys(p.grammar for p in prompts if p.grammar is not None):
-            check_grammar(g, target)
-        w = ids_of(prompts[0])
-        warm = plain_engine.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
-        for eng in engines.values():
-            eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
-        runs = [(w, warm.token_ids, [])]  # the oracle's drafters see the warm-up as the engines' did
+        runs = [_warm_up(prompts, ids_of, target, plain_engine, engines, params)]
 
         rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
-        free = [p for p in prompts if p.grammar is None]  # the prompts a peer can run
-        peer, peer_note, assisted_peer = None, None, False
-        if config.peer and free:
-            peer, peer_note, assisted_peer = start_peer(target, config.target, engines, config.n_ctx,
-                                                        ids_of(free[0]))
-        if config.peer and len(free) < len(prompts):
-            skipped = (f"skipped on {len(prompts) - len(free)} of {len(prompts)} prompts, those with a grammar "
-                       "(peers cannot constrain output)")
-            peer_note = f"{peer_note}; {skipped}" if peer_note else f"peers {skipped}"
-
+        peer, peer_note, assisted_peer = _start_peers(config, target, engines, prompts, ids_of)
         rows = []
         bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=not config.progress,
                    file=sys.stderr, mininterval=5)
@@ -228,12 +260,8 @@ def run_bench(config: BenchConfig) -> dict:
             plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
             peer_rate = assisted_rate = None
             if peer is not None and p.grammar is None:
-                try:
-                    peer_rate = peer.run(ids, p.max_tokens)[1]
-                    if assisted_peer:
-                        assisted_rate = peer.run(ids, p.max_tokens, assisted=True)[1]
-                except Exception as e:  # one failed peer run must not lose the benchmark
-                    peer_note = f"{peer_note}; failed on {p.id}: {type(e).__name__}: {e}"
+                peer_rate, assisted_rate, failed = _run_peer(peer, assisted_peer, ids, p)
+                peer_note = f"{peer_note}; {failed}" if failed else peer_note
             runs.append((ids, plain.token_ids, []))
             for name, eng in engines.items():
                 r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)

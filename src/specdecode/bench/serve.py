@@ -225,7 +225,7 @@ class _Server:
         import uvicorn
 
         from ..api import Decoder
-        from ..server import create_app
+        from ..server import ServerOptions, create_app
 
         self.decoder = Decoder(target=cfg.target, draft=cfg.draft, num_speculative_tokens=cfg.num_speculative_tokens,
                                n_ctx=cfg.n_ctx, n_threads=cfg.n_threads, progress=cfg.progress, parallel=slots,
@@ -233,7 +233,7 @@ class _Server:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = create_app(self.decoder, max_queue=max_queue, warmup=True)
+        app = create_app(self.decoder, ServerOptions(max_queue=max_queue, warmup=True))
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -19,11 +19,15 @@ Request bodies over ``max_body_bytes`` (default 4 MiB, ``--max-body-bytes``) get
 chunked, as soon as what has arrived passes the limit.
 
 One loaded model pair serves every request. The engine is not thread-safe, so a single
-worker thread runs generations one at a time in arrival order; text deltas travel to the
-asyncio side through a per-request queue. Requests wait in a bounded queue
-(``max_queue`` waiting, besides the one running); a full queue answers 429. A client
-that disconnects cancels its request: a waiting one leaves the queue at once, a running
-one has its generator closed after the current step, which rolls the caches back.
+worker thread runs every generation, up to ``--parallel N`` at once (N slots, each with
+its own KV cache), advanced together in shared batched steps (continuous batching):
+between two steps it admits waiting requests into free slots in arrival order and frees
+the slots of finished and cancelled ones. Text deltas travel to the asyncio side through
+a per-request queue. Requests that find every slot taken wait in a bounded queue
+(``max_queue`` waiting, ``--max-queue``, besides the N running); a full queue answers
+429. A client that disconnects cancels its request: a waiting one leaves the queue at
+once, a running one is ended after the current step (its caches rolled back) and frees
+its slot.
 
 Request fields honoured (a field whose value is null counts as absent):
     model (required; must be the served model's id), prompt (completions: one string) or
@@ -48,12 +52,12 @@ rest of the context for chat; with n > 1 the default max_tokens is also at most
 context size // n. prompt tokens + max_tokens must fit in the context (400 otherwise,
 code context_length_exceeded).
 
-n choices: each is its own sequence, generated one after another on the worker (the
-engine serves one sequence at a time), indexed 0..n-1. With a seed, choice i samples
+n choices: each is its own sequence, generated one after another in the request's slot
+(other requests run in the other slots meanwhile), indexed 0..n-1. With a seed, choice i samples
 with seed + i (so a seeded request repeats choice by choice, and choice 0 is what the
 same request with n = 1 gives); without one, each choice draws its own seed. n *
 max_tokens must be at most the context size (400 naming n): one request may not hold
-the worker for more tokens than one full-context generation. usage counts the prompt
+its slot for more tokens than one full-context generation. usage counts the prompt
 once and sums the choices' completion tokens. A stream sends the choices in turn, every
 chunk naming its choice's ``index`` (chat: each choice opens with its role chunk); each
 choice ends with its finish_reason chunk, and the last one carries the usage.
@@ -79,17 +83,20 @@ chunk, which may then have empty text; tokens cut by a stop string are never rep
 logprobs null. The chunks' logprobs concatenate to the logprobs of the same request
 unstreamed.
 
-Modules, one job each: :mod:`.protocol` (request parsing and validation, pure),
+Modules, one job each: :mod:`.config` (:class:`ServerOptions`, the server's options as
+one checked object), :mod:`.protocol` (request parsing and validation, pure),
 :mod:`.metrics` (Prometheus), :mod:`.worker` (the generation thread), :mod:`.app` (the
-FastAPI routes and responses), :mod:`.cli` (the ``serve`` subcommand). Importing this
-package does not import FastAPI, uvicorn or prometheus_client.
+FastAPI routes and responses), :mod:`.cli` (the ``serve`` subcommand), :mod:`.ray_serve`
+(``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
+import FastAPI, uvicorn or prometheus_client.
 """
 
 from .app import create_app
 from .cli import add_serve_parser, cmd_serve
+from .config import ServerOptions
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, from_specdecode_error, parse_request
 from .worker import Job, Worker
 
-__all__ = ["APIError", "GenRequest", "Job", "Metrics", "Worker", "add_serve_parser", "cmd_serve", "create_app",
-           "from_specdecode_error", "parse_request"]
+__all__ = ["APIError", "GenRequest", "Job", "Metrics", "ServerOptions", "Worker", "add_serve_parser", "cmd_serve",
+           "create_app", "from_specdecode_error", "parse_request"]

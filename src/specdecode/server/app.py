@@ -1,24 +1,26 @@
-"""The FastAPI app: routes, full responses, server-sent-event streams, model cards.
+"""The FastAPI app of ``specdecode serve``: routes, full responses, server-sent-event streams, model cards.
 
-FastAPI, Starlette and prometheus_client are imported inside :func:`create_app`, so that
-importing :mod:`specdecode.server` (as the CLI does for every command) does not load them.
+FastAPI, Starlette and prometheus_client are imported inside the functions that use them
+(:func:`create_app` and the routes), so that importing :mod:`specdecode.server` (as the CLI
+does for every command) does not load them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from ..errors import SpecDecodeError
+from .config import ServerOptions
 from .metrics import Metrics
-from .protocol import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, APIError, GenRequest, json_repr, parse_json_body,
-                       parse_request)
+from .protocol import APIError, GenRequest, json_repr, parse_json_body, parse_request
 from .worker import Job, Worker
 
 if TYPE_CHECKING:
@@ -130,57 +132,24 @@ def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
     return {"id": model_name, "object": "model", "created": created, "owned_by": "specdecode", "max_model_len": n_ctx}
 
 
-def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               warmup: bool = False, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any) -> FastAPI:
     """Build the OpenAI-compatible app around a loaded :class:`specdecode.api.Decoder`.
 
-    model_name: the id clients must send as ``model`` (default: decoder.target_name).
-    max_queue: requests that may wait besides the running one (>= 1); more get 429.
-    warmup: run one tiny generation on the worker thread at start-up, so that the first
-        client does not pay llama.cpp's first-evaluation cost (seconds).
-    api_key: when given, every request (every /v1 one, and any other path but /health and
-        /metrics, which stay open) must send ``Authorization: Bearer <api_key>``, else 401.
-        None: no authentication.
-    max_body_bytes: the largest request body read (>= 1); a larger one gets 413.
+    options: the server's :class:`ServerOptions` (the app reads model_name, default the
+    decoder's target_name; max_queue; max_body_bytes; api_key; warmup), or its fields as
+    keywords (which also override those of ``options``), e.g. ``create_app(dec,
+    max_queue=4, warmup=True)``. host, port and the Ray options are the caller's to apply.
     The app owns a worker thread (started and stopped with the app's lifespan) and its
     own Prometheus registry (``app.state.metrics.registry``); the decoder stays the
-    caller's to close. Raises SpecDecodeError naming the argument for max_queue < 1,
-    max_body_bytes < 1 or an empty api_key.
+    caller's to close. Raises SpecDecodeError naming the option for a bad value (e.g.
+    max_queue < 1, max_body_bytes < 1 or an empty api_key).
     """
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    class _SSEResponse(StreamingResponse):
-        """A server-sent-event stream that runs ``on_close`` however it ends (finished,
-        client gone, or cancelled), so that a dropped client frees the worker."""
-
-        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-            super().__init__(content, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self._on_close = on_close
-
-        async def __call__(self, scope, receive, send) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self._on_close()
-
-    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-        raise SpecDecodeError(f"max_queue = {max_queue!r} is out of range: expected an integer >= 1", param="max_queue")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise SpecDecodeError(f"max_body_bytes = {max_body_bytes!r} is out of range: expected an integer >= 1",
-                              param="max_body_bytes")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise SpecDecodeError("api_key must be a non-empty string (or None for no authentication)", param="api_key")
-    model_name = model_name or decoder.target_name
-    worker = Worker(decoder, max_queue, lambda w: Metrics(w.queue_len, w.running), warmup=warmup)
-    metrics = worker.metrics
-    created = int(time.time())
-    draft_info = {"draft": decoder.draft_name, "num_speculative_tokens": decoder.engine.num_speculative_tokens}
+    options = replace(options or ServerOptions(), **fields)
+    if options.model_name is None:
+        options = replace(options, model_name=decoder.target_name)
+    worker = Worker(decoder, options, lambda w: Metrics(w.queue_len, w.running))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -192,12 +161,23 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    app.state.metrics = metrics
-    app.state.model_name = model_name
+    app.state.metrics = worker.metrics
+    app.state.model_name = options.model_name
+    app.state.options = options
     app.state.replica = None  # set by a Ray Serve replica (server.ray_serve)
-    if api_key is not None:
-        app.add_middleware(_APIKeyGuard, api_key=api_key,
-                           on_reject=lambda: metrics.rejected.labels(reason="unauthorized").inc())
+    if options.api_key is not None:
+        app.add_middleware(_APIKeyGuard, api_key=options.api_key,
+                           on_reject=lambda: worker.metrics.rejected.labels(reason="unauthorized").inc())
+    _add_error_handlers(app)
+    _Routes(app, decoder, options, worker).add_to(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style error body: APIError as it is, Starlette's HTTP errors
+    (404 for no route, 405, ...), validation errors as 400, anything else as 500."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -217,23 +197,70 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
-    def speculation(result: Any) -> dict:
-        return {**result.stats.to_dict(), **draft_info}
 
-    async def serve(request: Request, kind: str) -> Response:
-        arrival = time.perf_counter()
-        try:
-            body = parse_json_body(await _read_body(request, max_body_bytes))
-            req = parse_request(body, kind, model_name, worker.n_ctx)
-        except APIError as e:
-            metrics.rejected.labels(reason={404: "model_not_found", 413: "too_large"}.get(e.status,
-                                                                                         "invalid_request")).inc()
-            raise
-        job = Job(req, asyncio.get_running_loop(), arrival)
-        if not worker.submit(job):
-            metrics.rejected.labels(reason="queue_full").inc()
-            raise APIError(429, f"the server is busy: {worker.queue_len()} requests are waiting (max_queue = "
-                           f"{max_queue}); retry later", type="rate_limit_error", code="queue_full")
+@functools.cache
+def _sse_response_class() -> type:
+    """StreamingResponse (imported on first use) as a server-sent-event stream that runs
+    ``on_close`` however it ends (finished, client gone, or cancelled), so that a dropped
+    client frees the worker."""
+    from fastapi.responses import StreamingResponse
+
+    class SSEResponse(StreamingResponse):
+        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+            super().__init__(content, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self._on_close = on_close
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._on_close()
+
+    return SSEResponse
+
+
+class _Routes:
+    """The app's endpoints, around its worker.
+
+    Plain Starlette routes: the endpoints take the Request itself and parse the body by
+    hand, so that every malformed or unsupported input gets an OpenAI-style 4xx.
+    """
+
+    def __init__(self, app: FastAPI, decoder: Any, options: ServerOptions, worker: Worker) -> None:
+        self.app = app
+        self.options = options
+        self.model_name: str = options.model_name
+        self.worker = worker
+        self.metrics = worker.metrics
+        self.created = int(time.time())
+        self.draft_info = {"draft": decoder.draft_name,
+                           "num_speculative_tokens": decoder.engine.num_speculative_tokens}
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_route("/v1/models", self.list_models, methods=["GET"])
+        app.add_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
+        app.add_route("/health", self.health, methods=["GET"])
+        app.add_route("/metrics", self.prometheus_metrics, methods=["GET"])
+
+    def speculation(self, result: Any) -> dict:
+        return {**result.stats.to_dict(), **self.draft_info}
+
+    async def completions(self, request: Request) -> Response:
+        return await self.serve(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.serve(request, "chat")
+
+    async def serve(self, request: Request, kind: str) -> Response:
+        """One generation request: read and parse it, queue it (429 when the queue is
+        full), then answer its choices in full or as a stream."""
+        from fastapi.responses import JSONResponse, Response
+
+        job = await self._submit(request, kind)
+        req = job.req
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         try:
             # Streams wait for the first event too, so that errors found when the prompt
@@ -246,7 +273,7 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
                     break
                 event = await _next_event(job, disconnect)
         except _Disconnected:
-            worker.cancel(job)
+            self.worker.cancel(job)
             return Response(status_code=499)  # nobody reads it; the status shows in the access log
         finally:
             # The stream's own disconnect watch (Starlette's) takes over from here.
@@ -256,43 +283,56 @@ def create_app(decoder: Any, model_name: str | None = None, max_queue: int = DEF
         if event[0] == "error":
             raise event[1]
         if not req.stream:
-            return JSONResponse(_full_response(kind, model_name, choices, speculation))
-        return _SSEResponse(_stream(kind, model_name, req, job, event, speculation),
-                            on_close=lambda: worker.cancel(job))
+            return JSONResponse(_full_response(kind, self.model_name, choices, self.speculation))
+        return _sse_response_class()(_stream(kind, self.model_name, req, job, event, self.speculation),
+                                     on_close=lambda: self.worker.cancel(job))
 
-    # Plain Starlette routes: the endpoints take the Request itself and parse the body by
-    # hand, so that every malformed or unsupported input gets an OpenAI-style 4xx.
-    async def completions(request: Request) -> Response:
-        return await serve(request, "completion")
+    async def _submit(self, request: Request, kind: str) -> Job:
+        """The request's job, queued on the worker. Raises APIError (counted as rejected)
+        for a body too large, invalid or for another model, and 429 for a full queue."""
+        arrival = time.perf_counter()
+        try:
+            body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
+            req = parse_request(body, kind, self.model_name, self.worker.n_ctx)
+        except APIError as e:
+            reason = {404: "model_not_found", 413: "too_large"}.get(e.status, "invalid_request")
+            self.metrics.rejected.labels(reason=reason).inc()
+            raise
+        job = Job(req, asyncio.get_running_loop(), arrival)
+        if not self.worker.submit(job):
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise APIError(429, f"the server is busy: {self.worker.queue_len()} requests are waiting (max_queue = "
+                           f"{self.options.max_queue}); retry later", type="rate_limit_error", code="queue_full")
+        return job
 
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, "chat")
+    async def list_models(self, request: Request) -> Response:
+        from fastapi.responses import JSONResponse
 
-    async def list_models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(model_name, created, worker.n_ctx)]})
+        return JSONResponse({"object": "list", "data": [_model_card(self.model_name, self.created,
+                                                                    self.worker.n_ctx)]})
 
-    async def get_model(request: Request) -> Response:
+    async def get_model(self, request: Request) -> Response:
+        from fastapi.responses import JSONResponse
+
         model_id = request.path_params["model_id"]
-        if model_id != model_name:
+        if model_id != self.model_name:
             raise APIError(404, f"the model {json_repr(model_id)} does not exist: this server serves "
-                           f"{json_repr(model_name)}", param="model", code="model_not_found")
-        return JSONResponse(_model_card(model_name, created, worker.n_ctx))
+                           f"{json_repr(self.model_name)}", param="model", code="model_not_found")
+        return JSONResponse(_model_card(self.model_name, self.created, self.worker.n_ctx))
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": model_name, "waiting": worker.queue_len(),
-                             "running": worker.running(), "slots": worker.slots, "max_queue": max_queue,
-                             "replica": app.state.replica})
+    async def health(self, request: Request) -> Response:
+        from fastapi.responses import JSONResponse
 
-    async def prometheus_metrics(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+        w = self.worker
+        return JSONResponse({"status": "ok", "model": self.model_name, "waiting": w.queue_len(),
+                             "running": w.running(), "slots": w.slots, "max_queue": self.options.max_queue,
+                             "replica": self.app.state.replica})
 
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_route("/v1/models", list_models, methods=["GET"])
-    app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
-    app.add_route("/health", health, methods=["GET"])
-    app.add_route("/metrics", prometheus_metrics, methods=["GET"])
-    return app
+    async def prometheus_metrics(self, request: Request) -> Response:
+        from fastapi.responses import Response
+        from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 def _full_response(kind: str, model_name: str, choices: list[tuple[int, Any, dict | None]],

@@ -1,4 +1,6 @@
-"""``specdecode serve``: its options and its handler."""
+"""``specdecode serve``: its options and its handler. The server options become one
+:class:`.config.ServerOptions` (checked once, errors naming the flag) that goes to the app
+or, with --replicas / --autoscaling, to the Ray Serve deployment."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import os
 
 from ..errors import SpecDecodeError
 from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
-from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from .config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_PORT, ServerOptions
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The environment variable that gives the API key when --api-key does not (so that the key
@@ -30,71 +32,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Handler of ``specdecode serve``: load the pair, then serve until interrupted.
 
     Returns the exit status (0). Raises SpecDecodeError naming the option for an
-    out-of-range --port, --max-queue or --max-body-bytes, an empty --api-key, or any model
-    option (before loading anything), and for models that cannot be loaded.
+    out-of-range --port, --max-queue, --max-body-bytes, --metrics-port or --replicas, an
+    empty --api-key, or any model option (before loading anything), and for models that
+    cannot be loaded.
     """
     import uvicorn
 
     from .app import create_app
 
-    if not (0 <= args.port <= 65535):
-        raise SpecDecodeError(f"--port {args.port} is out of range: expected 0..65535", param="--port")
-    if args.max_queue < 1:
-        raise SpecDecodeError(f"--max-queue {args.max_queue} is out of range: expected >= 1", param="--max-queue")
-    if args.max_body_bytes < 1:
-        raise SpecDecodeError(f"--max-body-bytes {args.max_body_bytes} is out of range: expected >= 1",
-                              param="--max-body-bytes")
-    api_key = api_key_from(args)
-    if args.host not in LOOPBACK_HOSTS:
-        if api_key is None:
-            print(f"specdecode: warning: serving on {args.host}: the server has no authentication (set --api-key or "
-                  f"{API_KEY_ENV})", flush=True)
+    options = ServerOptions.from_args(args, api_key_from(args))
+    if options.host not in LOOPBACK_HOSTS:
+        if options.api_key is None:
+            print(f"specdecode: warning: serving on {options.host}: the server has no authentication (set --api-key "
+                  f"or {API_KEY_ENV})", flush=True)
         else:
-            print(f"specdecode: serving on {args.host}: the API key protects /v1; /health and /metrics stay open",
+            print(f"specdecode: serving on {options.host}: the API key protects /v1; /health and /metrics stay open",
                   flush=True)
-    if args.metrics_port is not None and not (1 <= args.metrics_port <= 65535):
-        raise SpecDecodeError(f"--metrics-port {args.metrics_port} is out of range: expected 1..65535",
-                              param="--metrics-port")
-    if args.replicas is not None or args.autoscaling is not None:
-        return _serve_on_ray(args, api_key)
-    if args.metrics_port is not None:
+    if options.on_ray:
+        return _serve_on_ray(args, options)
+    if options.metrics_port is not None:
         raise SpecDecodeError("--metrics-port applies to Ray Serve replicas (--replicas or --autoscaling); a single "
                               "server serves its metrics at /metrics", param="--metrics-port")
     with decoder_from_args(args, progress=True) as dec:
-        app = create_app(dec, model_name=args.target, max_queue=args.max_queue, warmup=True, api_key=api_key,
-                         max_body_bytes=args.max_body_bytes)
+        app = create_app(dec, options)
         print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}, "
-              f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{args.host}:{args.port}/v1",
+              f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{options.host}:{options.port}/v1",
               flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=options.host, port=options.port, log_level="info")
     return 0
 
 
-def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
+def _serve_on_ray(args: argparse.Namespace, options: ServerOptions) -> int:
     """--replicas / --autoscaling: the app as a Ray Serve deployment (server.ray_serve)."""
-    import json
-
     from .ray_serve import serve_replicas
 
     check_model_args(args)
-    if args.replicas is not None and args.replicas < 1:
-        raise SpecDecodeError(f"--replicas {args.replicas} is out of range: expected >= 1", param="--replicas")
-    autoscaling = None
-    if args.autoscaling is not None:
-        try:
-            autoscaling = json.loads(args.autoscaling)
-        except ValueError as e:
-            raise SpecDecodeError(f"--autoscaling is not valid JSON: {e}", param="--autoscaling") from None
-        if not isinstance(autoscaling, dict):
-            raise SpecDecodeError("--autoscaling must be a JSON object (Ray Serve's autoscaling_config)",
-                                  param="--autoscaling")
     kwargs = decoder_kwargs(args, progress=False)
     if kwargs["n_threads"] is None:  # share the cores among the replicas of this machine
         from ..backends.llama_cpp import default_threads
 
-        kwargs["n_threads"] = max(1, default_threads() // (args.replicas or 1))
-    serve_replicas(kwargs, args.target, args.host, args.port, args.replicas or 1, args.max_queue, api_key,
-                   args.max_body_bytes, autoscaling=autoscaling, metrics_port=args.metrics_port)
+        kwargs["n_threads"] = max(1, default_threads() // (options.replicas or 1))
+    serve_replicas(kwargs, options)
     return 0
 
 
@@ -102,7 +80,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """Register the ``serve`` subcommand (options and handler) on the CLI's subparsers.
 
     The model options are the shared ones (:func:`specdecode.options.add_model_options`);
-    serve adds --host, --port, --max-queue, --api-key and --max-body-bytes.
+    serve adds --parallel, --host, --port, --max-queue, --api-key, --max-body-bytes and, for
+    Ray Serve, --replicas, --autoscaling and --metrics-port (the fields of
+    :class:`.config.ServerOptions`).
     """
     s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                               description="Serve an OpenAI-compatible HTTP API (/v1/completions, "
@@ -110,10 +90,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                           "--target as the model id.")
     add_model_options(s)
     add_parallel_option(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="requests that may wait besides the running ones; more get 429 (default: %(default)s)")
+                   help="requests that may wait for a free slot, besides the --parallel running ones; more get 429 "
+                        "(default: %(default)s)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every /v1 request (401 otherwise; /health and "
                         f"/metrics stay open). Default: ${API_KEY_ENV} if set, else no authentication. The "

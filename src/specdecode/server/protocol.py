@@ -1,29 +1,26 @@
-"""Request parsing and validation for the OpenAI-compatible endpoints.
+"""Request parsing and validation for the OpenAI-compatible endpoints of ``specdecode serve``.
 
 Pure: no FastAPI, no model. :func:`parse_request` turns a decoded JSON body into a
-:class:`GenRequest` or raises :class:`APIError`; :func:`resolve_max_tokens` settles
-max_tokens once the prompt's length in tokens is known. Field semantics are listed in
-the package docstring (:mod:`specdecode.server`).
+:class:`GenRequest` (whose :class:`specdecode.request.GenerationOptions` carry what each
+choice's generation asks for) or raises :class:`APIError`; :func:`resolve_max_tokens`
+settles max_tokens once the prompt's length in tokens is known. Field semantics are listed
+in the package docstring (:mod:`specdecode.server`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import ContextOverflowError, SpecDecodeError
 from ..grammar import Grammar
 from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
+from ..request import GenerationOptions
 from ..sampling import SamplingParams
 
-# Requests that may wait besides the running one; more get 429.
-DEFAULT_MAX_QUEUE = 16
-# The largest request body read, in bytes (--max-body-bytes); a larger one gets 413. 4 MiB
-# holds any prompt that fits a context of tens of thousands of tokens, JSON included.
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # max_tokens of a completion that gives none (OpenAI's default); chat defaults to the
 # rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -87,30 +84,36 @@ class GenRequest:
 
     kind: "completion" or "chat". prompt / messages: exactly one is set.
     max_tokens: in tokens, per choice; None means the endpoint's default (see
-    :func:`resolve_max_tokens`). sampling: keyword arguments of :meth:`Decoder.stream`
-    other than the prompt and max_tokens (temperature always set). logprobs: None, or how
-    many most likely tokens to report per emitted token. n: choices, 1..MAX_N, each its
-    own sequence (see :meth:`choice_sampling`).
+    :func:`resolve_max_tokens`). options: what each generation asks for (sampling with
+    temperature always set, stop, logprobs, grammar), all but max_tokens, which is settled
+    once the prompt is tokenized; :meth:`choice_options` gives a choice's complete options.
+    n: choices, 1..MAX_N, each its own sequence.
     """
 
     kind: str
     prompt: str | None
     messages: list[dict] | None
     max_tokens: int | None
-    sampling: dict
+    options: GenerationOptions = GenerationOptions()
     stream: bool = False
     include_usage: bool = False
-    logprobs: int | None = None
     n: int = 1
 
-    def choice_sampling(self, i: int) -> dict:
-        """The sampling options of choice i: with a seed, choice i draws from seed + i
-        (modulo 2**64, the seed's range), so that a seeded request repeats choice by choice;
-        without one, each choice draws its own seed from the OS."""
-        seed = self.sampling.get("seed")
+    @property
+    def logprobs(self) -> int | None:
+        """None, or how many most likely tokens to report per emitted token."""
+        return self.options.logprobs
+
+    def choice_options(self, i: int, max_tokens: int) -> GenerationOptions:
+        """The options of choice i, generating max_tokens (as :func:`resolve_max_tokens`
+        settled them): with a seed, choice i draws from seed + i (modulo 2**64, the seed's
+        range), so that a seeded request repeats choice by choice; without one, each choice
+        draws its own seed from the OS."""
+        options = replace(self.options, max_tokens=max_tokens)
+        seed = options.sampling.seed
         if seed is None or i == 0:
-            return self.sampling
-        return {**self.sampling, "seed": (seed + i) % 2**64}
+            return options
+        return replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64))
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -201,13 +204,6 @@ def _parse_messages(value: Any) -> list[dict]:
         raise from_specdecode_error(e, "messages") from None
 
 
-def _check_sampling(sampling: dict) -> None:
-    try:
-        SamplingParams(**sampling)
-    except SpecDecodeError as e:
-        raise from_specdecode_error(e) from None
-
-
 def _check_logprobs(value: int | None, name: str) -> int | None:
     try:
         return check_logprobs(value, name)
@@ -256,7 +252,26 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
         raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
     _check_fields(body, _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS)
     b = _Body(body)
+    _check_model(b, model_name)
+    prompt, messages = _parse_prompt(body, kind)
+    n = b.integer("n", 1, MAX_N, " (choices run one after another on this server)") or 1
+    max_tokens = _parse_max_tokens(b, n, n_ctx)
+    sampling = _parse_sampling(b, body)
+    stop = _parse_stop(body)
+    stream, include_usage = _parse_stream(b, body)
+    logprobs = _parse_logprobs(b, kind)
+    grammar = parse_response_format(body.get("response_format"))
+    b.string("user")
+    try:
+        options = GenerationOptions(sampling=sampling, stop=stop, logprobs=logprobs, grammar=grammar)
+    except SpecDecodeError as e:
+        raise from_specdecode_error(e) from None
+    return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,
+                      stream=stream, include_usage=include_usage, n=n)
 
+
+def _check_model(b: _Body, model_name: str) -> None:
+    """model is required and must be the served one (404, code model_not_found, otherwise)."""
     model = b.string("model")
     if model is None:
         raise APIError(400, "model is required: this server serves " + json_repr(model_name), param="model")
@@ -264,21 +279,24 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
         raise APIError(404, f"the model {json_repr(model)} does not exist: this server serves {json_repr(model_name)}",
                        param="model", code="model_not_found")
 
-    prompt = messages = None
+
+def _parse_prompt(body: dict, kind: str) -> tuple[str | None, list[dict] | None]:
+    """(prompt, None) for a completion, (None, messages) for chat."""
     if kind == "completion":
         if body.get("prompt") is None:
             raise APIError(400, "prompt is required", param="prompt")
         if not isinstance(body["prompt"], str):
             raise APIError(400, f"prompt must be a string (lists of prompts and token-id arrays are not supported), "
                            f"got {json_repr(body['prompt'])}", param="prompt")
-        prompt = body["prompt"]
-    else:
-        if body.get("messages") is None:
-            raise APIError(400, "messages is required", param="messages")
-        messages = _parse_messages(body["messages"])
+        return body["prompt"], None
+    if body.get("messages") is None:
+        raise APIError(400, "messages is required", param="messages")
+    return None, _parse_messages(body["messages"])
 
-    n = b.integer("n", 1, MAX_N, " (choices run one after another on this server)") or 1
 
+def _parse_max_tokens(b: _Body, n: int, n_ctx: int) -> int | None:
+    """max_tokens or max_completion_tokens (which must agree when both are given), within
+    the context size and with n * max_tokens within it too; None when absent."""
     why = " (the context size)"
     max_tokens = b.integer("max_tokens", 1, n_ctx, why)
     max_completion = b.integer("max_completion_tokens", 1, n_ctx, why)
@@ -291,7 +309,12 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
         raise APIError(400, f"n = {n} choices of max_tokens = {max_tokens} ask for {n * max_tokens} tokens, more than "
                        f"a request may (n * max_tokens <= {n_ctx}, the context size): lower n or max_tokens",
                        param="n")
+    return max_tokens
 
+
+def _parse_sampling(b: _Body, body: dict) -> SamplingParams:
+    """The sampling fields (temperature OpenAI's default when absent); ranges beyond
+    temperature's are SamplingParams' own."""
     temperature = b.number("temperature")
     if temperature is not None and not (0.0 <= temperature <= MAX_TEMPERATURE):
         raise APIError(400, f"temperature = {body['temperature']} is out of range: expected 0 <= temperature <= "
@@ -305,47 +328,48 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
         v = b.integer(name)
         if v is not None:
             sampling[name] = v
-    _check_sampling(sampling)
+    try:
+        return SamplingParams(**sampling)
+    except SpecDecodeError as e:
+        raise from_specdecode_error(e) from None
 
+
+def _parse_stop(body: dict) -> tuple[str, ...]:
+    """stop: a non-empty string or a list of them (empty: none)."""
     stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
-            raise APIError(400, f"stop must be a non-empty string or a list of non-empty strings, got {json_repr(stop)}",
-                           param="stop")
-        if stops:
-            sampling["stop"] = stops
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
+        raise APIError(400, f"stop must be a non-empty string or a list of non-empty strings, got {json_repr(stop)}",
+                       param="stop")
+    return tuple(stops)
 
+
+def _parse_stream(b: _Body, body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage); stream_options only with stream true."""
     stream = bool(b.boolean("stream"))
-    include_usage = False
     options = body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if not isinstance(options, dict) or any(k != "include_usage" for k in options):
-            raise APIError(400, f"stream_options = {json_repr(options)} is not supported: only "
-                           '{"include_usage": true|false} is', param="stream_options")
-        include_usage = bool(_Body(options, "stream_options.").boolean("include_usage"))
+    if options is None:
+        return stream, False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict) or any(k != "include_usage" for k in options):
+        raise APIError(400, f"stream_options = {json_repr(options)} is not supported: only "
+                       '{"include_usage": true|false} is', param="stream_options")
+    return stream, bool(_Body(options, "stream_options.").boolean("include_usage"))
 
-    logprobs = None
+
+def _parse_logprobs(b: _Body, kind: str) -> int | None:
+    """Completions: logprobs, an integer. Chat: logprobs, a boolean, with top_logprobs
+    (which needs logprobs true). None when not asked for."""
     if kind == "completion":
-        logprobs = _check_logprobs(b.integer("logprobs"), "logprobs")
-    else:
-        want = b.boolean("logprobs")
-        top = _check_logprobs(b.integer("top_logprobs"), "top_logprobs")
-        if top is not None and not want:
-            raise APIError(400, f"top_logprobs = {top} needs logprobs = true", param="top_logprobs")
-        if want:
-            logprobs = top or 0
-    if logprobs is not None:
-        sampling["logprobs"] = logprobs
-
-    grammar = parse_response_format(body.get("response_format"))
-    if grammar is not None:
-        sampling["grammar"] = grammar
-    b.string("user")
-    return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, sampling=sampling,
-                      stream=stream, include_usage=include_usage, logprobs=logprobs, n=n)
+        return _check_logprobs(b.integer("logprobs"), "logprobs")
+    want = b.boolean("logprobs")
+    top = _check_logprobs(b.integer("top_logprobs"), "top_logprobs")
+    if top is not None and not want:
+        raise APIError(400, f"top_logprobs = {top} needs logprobs = true", param="top_logprobs")
+    return (top or 0) if want else None
 
 
 def resolve_max_tokens(req: GenRequest, prompt_len: int, n_ctx: int) -> int:

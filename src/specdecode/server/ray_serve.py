@@ -9,8 +9,10 @@ Two ways to run it (needs the optional extra: ``pip install -e '.[ray]'``):
 
 The first starts a local Ray instance (or joins $RAY_ADDRESS) and Serve's proxy on
 --host/--port; the second is Ray's own CLI with an application builder (arguments as
-key=value, the Decoder's option names plus replicas, max_queue, api_key, autoscaling as
-JSON, num_cpus, metrics_port).
+key=value: the Decoder's option names plus the fields of
+:class:`specdecode.server.config.ServerOptions`: replicas, max_queue, max_body_bytes,
+api_key, autoscaling as JSON, num_cpus, metrics_port, model_name, warmup). Either way one
+ServerOptions object carries the server's options to every replica.
 
 Autoscaling: ``--autoscaling '{"min_replicas": 1, "max_replicas": 4,
 "target_ongoing_requests": 4}'`` passes Ray Serve's autoscaling_config through (then
@@ -24,13 +26,13 @@ Each replica's own Prometheus endpoint stays reachable at ``metrics_port + rank`
 
 from __future__ import annotations
 
-import json
 import os
 import time
+import typing
 from typing import Any
 
 from ..errors import SpecDecodeError
-from .protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from .config import ServerOptions, convert_strings
 
 DEPLOYMENT_NAME = "specdecode"
 
@@ -45,20 +47,16 @@ def _ray():
     return ray, serve
 
 
-def build_deployment(decoder_kwargs: dict, model_name: str, replicas: int = 1, max_queue: int = DEFAULT_MAX_QUEUE,
-                     api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                     autoscaling: dict | None = None, num_cpus: float | None = None,
-                     metrics_port: int | None = None):
-    """The Ray Serve application: ``replicas`` copies of the OpenAI app (or an
-    autoscaling_config), each loading its own Decoder(**decoder_kwargs) on its replica.
+def build_deployment(decoder_kwargs: dict, options: ServerOptions):
+    """The Ray Serve application: ``options.replicas`` (default 1) copies of the OpenAI app
+    (or ``options.autoscaling``), each loading its own Decoder(**decoder_kwargs) on its
+    replica and serving it with ``options`` (host and port are Serve's proxy's).
 
-    Raises SpecDecodeError for replicas < 1 or without Ray.
+    Raises SpecDecodeError without Ray.
     """
     ray, serve = _ray()
-    if autoscaling is None and (not isinstance(replicas, int) or replicas < 1):
-        raise SpecDecodeError(f"--replicas {replicas} is out of range: expected >= 1", param="--replicas")
     threads = decoder_kwargs.get("n_threads")
-    cpus = num_cpus if num_cpus is not None else float(threads or 1)
+    cpus = options.num_cpus if options.num_cpus is not None else float(threads or 1)
 
     def build_asgi_app():
         # Runs on each replica: load the models there, then the same app as `specdecode serve`.
@@ -68,23 +66,22 @@ def build_deployment(decoder_kwargs: dict, model_name: str, replicas: int = 1, m
         rank = serve.get_replica_context().rank  # an int, or (Ray >= 2.50) a ReplicaRank with .rank
         rank = int(getattr(rank, "rank", rank))
         decoder = Decoder(**{**decoder_kwargs, "progress": False})
-        app = create_app(decoder, model_name=model_name, max_queue=max_queue, warmup=True, api_key=api_key,
-                         max_body_bytes=max_body_bytes)
+        app = create_app(decoder, options)
         app.state.replica = f"{DEPLOYMENT_NAME}#{rank} (pid {os.getpid()})"
-        if metrics_port is not None:
+        if options.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(metrics_port + rank, registry=app.state.metrics.registry)
+            start_http_server(options.metrics_port + rank, registry=app.state.metrics.registry)
         return app
 
-    options: dict[str, Any] = {"name": DEPLOYMENT_NAME, "ray_actor_options": {"num_cpus": cpus},
-                               "max_ongoing_requests": max_queue + decoder_kwargs.get("parallel", 1)}
-    if autoscaling is not None:
-        options["autoscaling_config"] = autoscaling
+    deployment: dict[str, Any] = {"name": DEPLOYMENT_NAME, "ray_actor_options": {"num_cpus": cpus},
+                                  "max_ongoing_requests": options.max_queue + decoder_kwargs.get("parallel", 1)}
+    if options.autoscaling is not None:
+        deployment["autoscaling_config"] = options.autoscaling
     else:
-        options["num_replicas"] = replicas
+        deployment["num_replicas"] = options.replicas or 1
 
-    @serve.deployment(**options)
+    @serve.deployment(**deployment)
     @serve.ingress(build_asgi_app)
     class SpecDecodeReplica:
         pass
@@ -93,47 +90,39 @@ def build_deployment(decoder_kwargs: dict, model_name: str, replicas: int = 1, m
 
 
 def app_builder(args: dict):
-    """``serve run specdecode.server.ray_serve:app_builder key=value ...``: target, draft,
-    num_speculative_tokens, n_ctx, n_threads, parallel, backend, ... (the Decoder's
-    options), replicas, max_queue, api_key, autoscaling (JSON), num_cpus, metrics_port."""
-    args = dict(args)
-    ints = ("replicas", "max_queue", "n_ctx", "n_threads", "parallel", "metrics_port", "max_body_bytes")
-    for key in ints:
-        if key in args:
-            args[key] = int(args[key])
-    k = args.get("num_speculative_tokens", "auto")
-    if k != "auto":
-        args["num_speculative_tokens"] = int(k)
-    serve_keys = ("replicas", "max_queue", "api_key", "autoscaling", "num_cpus", "metrics_port", "max_body_bytes")
-    opts = {key: args.pop(key) for key in serve_keys if key in args}
-    if isinstance(opts.get("autoscaling"), str):
-        opts["autoscaling"] = json.loads(opts["autoscaling"])
-    if "num_cpus" in opts:
-        opts["num_cpus"] = float(opts["num_cpus"])
+    """``serve run specdecode.server.ray_serve:app_builder key=value ...``: the Decoder's
+    options (target, draft, num_speculative_tokens, n_ctx, n_threads, parallel, backend,
+    ...) and the fields of :class:`ServerOptions` (replicas, max_queue, max_body_bytes,
+    api_key, autoscaling as JSON, num_cpus, metrics_port, model_name: default the target,
+    warmup: default true), each string converted to its option's type. Raises
+    SpecDecodeError naming a value that does not convert or is out of range."""
+    from ..api import Decoder
     from ..assembly import registry
 
-    model = args.get("target", registry.DEFAULT_TARGET)
-    return build_deployment(args, model_name=model, **opts)
+    server_keys = ServerOptions.field_names()
+    decoder_kwargs = convert_strings({k: v for k, v in args.items() if k not in server_keys},
+                                     typing.get_type_hints(Decoder.__init__))
+    options = ServerOptions.from_strings({"model_name": decoder_kwargs.get("target", registry.DEFAULT_TARGET),
+                                          "warmup": True, **{k: v for k, v in args.items() if k in server_keys}})
+    return build_deployment(decoder_kwargs, options)
 
 
-def serve_replicas(decoder_kwargs: dict, model_name: str, host: str, port: int, replicas: int, max_queue: int,
-                   api_key: str | None, max_body_bytes: int, autoscaling: dict | None = None,
-                   metrics_port: int | None = None, block: bool = True):
-    """Start (or join, with $RAY_ADDRESS) Ray, run the deployment behind Serve's HTTP proxy
-    on host:port, and block until interrupted (then shut Serve down). With block=False,
-    return once the replicas are up (the caller shuts down: :func:`shutdown`)."""
+def serve_replicas(decoder_kwargs: dict, options: ServerOptions, block: bool = True):
+    """Start (or join, with $RAY_ADDRESS) Ray, run the deployment (:func:`build_deployment`)
+    behind Serve's HTTP proxy on options.host:options.port, and block until interrupted
+    (then shut Serve down). With block=False, return once the replicas are up (the caller
+    shuts down: :func:`shutdown`)."""
     ray, serve = _ray()
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": host, "port": port})
-    app = build_deployment(decoder_kwargs, model_name, replicas=replicas, max_queue=max_queue, api_key=api_key,
-                           max_body_bytes=max_body_bytes, autoscaling=autoscaling, metrics_port=metrics_port)
-    serve.run(app, name=DEPLOYMENT_NAME, route_prefix="/")
+    serve.start(http_options={"host": options.host, "port": options.port})
+    serve.run(build_deployment(decoder_kwargs, options), name=DEPLOYMENT_NAME, route_prefix="/")
     if not block:
         return
-    print(f"specdecode: {replicas if autoscaling is None else 'autoscaled'} Ray Serve replica(s) of {model_name!r} "
-          f"on http://{host}:{port}/v1", flush=True)
+    replicas = (options.replicas or 1) if options.autoscaling is None else "autoscaled"
+    print(f"specdecode: {replicas} Ray Serve replica(s) of {options.model_name!r} on "
+          f"http://{options.host}:{options.port}/v1", flush=True)
     try:
         while True:
             time.sleep(3600)

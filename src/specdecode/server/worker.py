@@ -1,5 +1,6 @@
-"""The generation worker: one thread runs every generation, several at once in shared
-batched steps (continuous batching), admitting requests in arrival order.
+"""The generation worker of ``specdecode serve``: one thread runs every generation,
+several at once in shared batched steps (continuous batching), admitting requests in
+arrival order.
 
 The engine is not thread-safe, so the loaded decoder is used from this thread only; text
 deltas travel to the asyncio side through each job's event queue.
@@ -18,6 +19,7 @@ from typing import Any, Callable
 from jinja2 import TemplateError
 
 from ..errors import SpecDecodeError
+from .config import ServerOptions
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, from_specdecode_error, resolve_max_tokens
 
@@ -75,17 +77,16 @@ class Worker:
     n choices run one after another in its slot.
 
     decoder: a :class:`specdecode.api.Decoder` (used from this thread only).
-    max_queue: how many requests may wait besides the running ones (>= 1).
+    options: the server's options; the worker reads ``max_queue`` (how many requests may
+        wait for a slot, besides the running ones) and ``warmup`` (run one tiny generation
+        when the thread starts).
     metrics_factory: builds the server's Metrics from this worker (whose queue length and
         running count its gauges read).
-    warmup: run one tiny generation when the thread starts.
     """
 
-    def __init__(self, decoder: Any, max_queue: int, metrics_factory: Callable[["Worker"], Metrics],
-                 warmup: bool = False) -> None:
+    def __init__(self, decoder: Any, options: ServerOptions, metrics_factory: Callable[["Worker"], Metrics]) -> None:
         self.decoder = decoder
-        self.max_queue = max_queue
-        self.warmup = warmup
+        self.options = options
         self.n_ctx = int(decoder.target.n_ctx)
         self.slots = len(decoder.engine.slots)
         self._cond = threading.Condition()
@@ -131,7 +132,7 @@ class Worker:
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full (or the worker stopped)."""
         with self._cond:
-            if self._stop or len(self._waiting) >= self.max_queue:
+            if self._stop or len(self._waiting) >= self.options.max_queue:
                 return False
             self._waiting.append(job)
             self._cond.notify()
@@ -148,7 +149,7 @@ class Worker:
                 self.metrics.aborted.inc()
 
     def _loop(self) -> None:
-        if self.warmup:
+        if self.options.warmup:
             # llama.cpp's first evaluation costs seconds (buffers, weight repacking): pay it
             # here rather than in the first client's time to first token. Requests queue
             # meanwhile. It runs on this thread, like every later generation, because an
@@ -229,8 +230,7 @@ class Worker:
         self._begin_choice(r)
 
     def _begin_choice(self, r: _Running) -> None:
-        req = r.job.req
-        r.gen = self.decoder.begin(prompt_ids=r.ids, max_tokens=r.max_tokens, **req.choice_sampling(r.index))
+        r.gen = self.decoder.begin(prompt_ids=r.ids, options=r.job.req.choice_options(r.index, r.max_tokens))
 
     def _cancelled(self, r: _Running) -> None:
         self._release(r)

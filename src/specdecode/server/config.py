@@ -1,0 +1,202 @@
+"""The server's options as one object, :class:`ServerOptions`, for ``specdecode serve``
+(:mod:`.cli`), :func:`specdecode.server.create_app`, the worker (:mod:`.worker`) and the
+Ray Serve deployment (``specdecode serve --replicas``, ``serve run
+specdecode.server.ray_serve:app_builder``, :mod:`.ray_serve`).
+
+The options are checked once, when the object is made; an error names the option and its
+value: as the command-line flag (``--max-queue 0``) when the object comes from the
+command line (:meth:`ServerOptions.from_args`), else as the field (``max_queue = 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from ..errors import SpecDecodeError
+from ..limits import is_int
+
+# Requests that may wait for a slot (the --parallel slots run requests at once, in shared
+# batched steps); more get 429.
+DEFAULT_MAX_QUEUE = 16
+# The largest request body read, in bytes (--max-body-bytes); a larger one gets 413. 4 MiB
+# holds any prompt that fits a context of tens of thousands of tokens, JSON included.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+class _OptionError(SpecDecodeError):
+    """A bad option value: ``name`` (a field), ``value`` and what is ``expected``. Shown as
+    "max_queue = 0 is out of range: expected ..." and, for a command-line flag, as
+    "--max-queue 0 is out of range: expected ..." (:meth:`as_flag`)."""
+
+    def __init__(self, name: str, value: Any, expected: str, problem: str = "is out of range",
+                 show_value: bool = True) -> None:
+        self.value, self.expected, self.problem, self.show_value = value, expected, problem, show_value
+        super().__init__(self._render(name), param=name)
+
+    def _render(self, name: str) -> str:
+        if not self.show_value:
+            shown = name
+        elif name.startswith("--"):
+            shown = f"{name} {self.value}"
+        else:
+            shown = f"{name} = {self.value!r}"
+        return f"{shown} {self.problem}: expected {self.expected}"
+
+    def as_flag(self) -> SpecDecodeError:
+        flag = "--" + self.param.replace("_", "-")
+        return SpecDecodeError(self._render(flag), param=flag)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise _OptionError(name, value, f"an integer {rng}")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Everything a server is asked for, besides the loaded model pair (whose options,
+    ``--parallel`` slots included, are the :class:`specdecode.api.Decoder`'s).
+
+    model_name: the id clients must send as ``model`` (None: the decoder's target name).
+    host, port: where ``specdecode serve`` (or Ray Serve's proxy) listens.
+    max_queue: requests that may wait for a free slot (>= 1); more get 429.
+    max_body_bytes: the largest request body read (>= 1); a larger one gets 413.
+    api_key: when set, every request but /health and /metrics must send
+        ``Authorization: Bearer <api_key>`` (else 401); None: no authentication.
+    warmup: run one tiny generation on the worker thread at start-up, so that the first
+        client does not pay llama.cpp's first-evaluation cost (seconds).
+    replicas: Ray Serve replicas (None: a single server, no Ray).
+    autoscaling: Ray Serve's autoscaling_config (implies Ray; replaces replicas).
+    num_cpus: CPUs each Ray replica reserves (None: its llama.cpp threads).
+    metrics_port: with Ray, each replica also serves its /metrics on metrics_port + rank.
+
+    Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
+    """
+
+    model_name: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None
+    warmup: bool = False
+    replicas: int | None = None
+    autoscaling: dict | None = None
+    num_cpus: float | None = None
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model_name", "host"):
+            value = getattr(self, name)
+            if (value is not None or name == "host") and (not isinstance(value, str) or not value):
+                raise _OptionError(name, value, "a non-empty string", problem="is not valid")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            # The value is never shown: it may be a key.
+            raise _OptionError("api_key", self.api_key, "a non-empty string (or None for no authentication)",
+                               problem="is not valid", show_value=False)
+        _check_int("port", self.port, 0, 65535)
+        _check_int("max_queue", self.max_queue, 1)
+        _check_int("max_body_bytes", self.max_body_bytes, 1)
+        _check_int("replicas", self.replicas, 1, optional=True)
+        _check_int("metrics_port", self.metrics_port, 1, 65535, optional=True)
+        if not isinstance(self.warmup, bool):
+            raise _OptionError("warmup", self.warmup, "True or False", problem="is not valid")
+        if self.autoscaling is not None and not isinstance(self.autoscaling, dict):
+            raise _OptionError("autoscaling", self.autoscaling, "a JSON object (Ray Serve's autoscaling_config)",
+                               problem="is not valid")
+        if self.num_cpus is not None and (not isinstance(self.num_cpus, (int, float)) or
+                                          isinstance(self.num_cpus, bool) or not self.num_cpus > 0):
+            raise _OptionError("num_cpus", self.num_cpus, "a number > 0")
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether these options ask for Ray Serve replicas (replicas or autoscaling given)."""
+        return self.replicas is not None or self.autoscaling is not None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, api_key: str | None) -> "ServerOptions":
+        """The options of ``specdecode serve`` (api_key: as :func:`.cli.api_key_from` found
+        it); an error names the flag (e.g. ``--max-queue``). The server warms up."""
+        autoscaling = args.autoscaling
+        if autoscaling is not None:
+            autoscaling = _json_object(autoscaling, "--autoscaling")
+        try:
+            return cls(model_name=args.target, host=args.host, port=args.port, max_queue=args.max_queue,
+                       max_body_bytes=args.max_body_bytes, api_key=api_key, warmup=True, replicas=args.replicas,
+                       autoscaling=autoscaling, metrics_port=args.metrics_port)
+        except _OptionError as e:
+            raise e.as_flag() from None
+
+    @classmethod
+    def from_strings(cls, values: dict[str, Any]) -> "ServerOptions":
+        """The options from ``key=value`` strings (``serve run ... max_queue=4``), each
+        converted to its field's type (an integer, a number, true/false, JSON for
+        autoscaling); values that are not strings are taken as they are. Raises
+        SpecDecodeError naming a key that is no field or a value that does not convert."""
+        known = cls.field_names()
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise SpecDecodeError(f"unknown server option(s) {', '.join(unknown)}: the server options are "
+                                  f"{', '.join(sorted(known))}", param=unknown[0])
+        return cls(**convert_strings(values, typing.get_type_hints(cls)))
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """The names of the options (the dataclass's fields)."""
+        return frozenset(f.name for f in fields(cls))
+
+
+def _json_object(text: str, name: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SpecDecodeError(f"{name} is not valid JSON: {e}", param=name) from None
+    if not isinstance(value, dict):
+        raise SpecDecodeError(f"{name} must be a JSON object (Ray Serve's autoscaling_config)", param=name)
+    return value
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
+_CONVERTERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _bool, str: str,
+                                                  dict: lambda text: _json_object(text, "")}
+
+
+def convert_strings(values: dict[str, Any], hints: dict[str, Any]) -> dict[str, Any]:
+    """Each string of values converted to the type its name has in hints (type hints, e.g.
+    of a dataclass or a function): for ``int | str`` an integer when it reads as one, else
+    the string. Names without a hint and values that are not strings stay as they are.
+    Raises SpecDecodeError (param = the name) for a string that converts to none of its types."""
+    out = dict(values)
+    for name, value in values.items():
+        if not isinstance(value, str) or name not in hints:
+            continue
+        hint = hints[name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is \
+            typing.Union else (typing.get_origin(hint) or hint,)
+        kinds = [k for k in kinds if k is not type(None)]
+        for kind in kinds:
+            try:
+                out[name] = _CONVERTERS[kind](value)
+                break
+            except (KeyError, ValueError, SpecDecodeError):
+                continue
+        else:
+            raise SpecDecodeError(f"{name} = {value!r} is not {' or '.join(k.__name__ for k in kinds)}", param=name)
+    return out
