@@ -30,11 +30,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="for prompts without their own max_tokens (default: %(default)s)")
     b.add_argument("--no-peer", dest="peer", action="store_false",
                    help="skip the peers (llama-cpp-python's prompt lookup; transformers' generate)")
-    b.add_argument("--out", default=None, help="folder for results.json, results.md and PNG plots")
+    _add_output_options(b, "results", cmd_bench)
+    return b
+
+
+def _add_output_options(b: argparse.ArgumentParser, stem: str, func) -> None:
+    """--out (STEM.json, STEM.md and plots), --json, --quiet; the subcommand's function."""
+    b.add_argument("--out", default=None, help=f"folder for {stem}.json, {stem}.md and PNG plots")
     b.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
-    b.set_defaults(func=cmd_bench)
-    return b
+    b.set_defaults(func=func)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -53,13 +58,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench; write --out files; print the JSON result (--json) or a table. Returns 0."""
-    result = run_bench(config_from_args(args))
+    return _report(args, run_bench(config_from_args(args)), write_outputs, print_table)
+
+
+def _report(args: argparse.Namespace, result: dict, write, show) -> int:
+    """Write the --out files, then print the JSON result (--json) or the table. Returns 0."""
     if args.out:
-        write_outputs(result, Path(args.out))
+        write(result, Path(args.out))
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(result)
+        show(result)
     return 0
 
 
@@ -94,10 +103,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated categories (default: all but json_schema)")
     b.add_argument("--per-category", type=int, default=2, help="prompts per category (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=64, help="completion cap per request (default: %(default)s)")
-    b.add_argument("--out", default=None, help="folder for serve_results.json, serve_results.md and PNG plots")
-    b.add_argument("--json", action="store_true", help="print the JSON result on stdout")
-    b.add_argument("--quiet", action="store_true", help="no progress bars")
-    b.set_defaults(func=cmd_bench_serve)
+    _add_output_options(b, "serve_results", cmd_bench_serve)
     return b
 
 
@@ -117,11 +123,4 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         per_category=args.per_category, max_tokens=args.max_tokens, progress=not args.quiet,
         extra=dict(backend=args.backend, draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
                    draft_vocab=args.draft_vocab))
-    result = run_serve_bench(cfg)
-    if args.out:
-        write_serve_outputs(result, Path(args.out))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_serve_table(result)
-    return 0
+    return _report(args, run_serve_bench(cfg), write_serve_outputs, print_serve_table)

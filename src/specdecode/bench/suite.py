@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..drafters.kinds import KINDS
+from ..drafters.kinds import names_with_arg
 from ..errors import SpecDecodeError
 from ..grammar import Grammar
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
@@ -108,7 +108,7 @@ def parse_config(text: str) -> tuple[str, int | str]:
     """'DRAFT:K' (K an integer 0..MAX_NUM_SPECULATIVE_TOKENS, or auto), or 'DRAFT' meaning
     DRAFT:auto; DRAFT may be a kind with an argument, heads:FILE (its K, if any, after it). Returns (draft, K).
     Raises SpecDecodeError (param ``--config``) otherwise."""
-    if any(kind.arg and text.startswith(kind.name + ":") for kind in KINDS):  # NAME:ARG[:K]
+    if names_with_arg(text):  # NAME:ARG[:K]
         head, _, tail = text.rpartition(":")
         draft, k = (head, tail) if ":" in head and (tail == "auto" or tail.isdigit()) else (text, "")
     else:

@@ -114,6 +114,11 @@ def kind_of(draft: str) -> tuple[DrafterKind, str]:
     return MODEL, draft
 
 
+def names_with_arg(text: str) -> bool:
+    """Whether text starts as a kind with an argument is named (``heads:...``)."""
+    return any(kind.arg and text.startswith(kind.name + ":") for kind in KINDS)
+
+
 def check_draft_options(draft: str, parallel: int = 1, **given: object) -> None:
     """Refuse a draft option the named drafter does not use, and ``parallel > 1`` for a kind
     that serves one generation. given: option name -> value, where a value that is falsy or
