@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from specdecode.backends.base import HiddenRows, residual_heads
+from specdecode.backends.llama_cpp import LlamaCppBackend, output_rows
 from specdecode.backends.torch_backend import TorchBackend
 from specdecode.cli import main
-from specdecode.drafters import NoDrafter
+from specdecode.control.controller import HiddenStateController, SpeculationController, Source
+from specdecode.control.costmodel import CostCurve
+from specdecode.drafters import HiddenStateDrafter, NgramDrafter, NoDrafter
 from specdecode.drafters.heads import DraftHeads, HeadsDrafter, HeadsMismatchError, heads_meta
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import ModelFileError
@@ -67,7 +71,6 @@ def test_greedy_with_heads_equals_plain_decoding(smollm_torch, trained, tmp_path
     ids = target.tokenize("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special=False)
     plain = SpeculativeEngine(target, NoDrafter(), 0).generate(ids, max_tokens=48, record_top2_gaps=True)
     spec = SpeculativeEngine(target, HeadsDrafter(heads, target, path), 3).generate(ids, max_tokens=48)
-    target.set_capture_hidden(False)
     report = parity_report(spec, plain)
     assert report["status"] in ("exact", "near-tie"), report
     assert spec.stats.drafted > 0 and spec.stats.accepted > 0
@@ -82,16 +85,25 @@ class HiddenBigram(BigramLM):
 
     supports_hidden_states = True
     hidden_size = 2
+    known_sha256 = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hidden_calls: list[set] = []  # hidden_for of each forward_batch_hidden
 
     def parameters(self):
         return [("table", torch.tensor(self.table))]
 
-    def set_capture_hidden(self, on):
-        pass
-
-    def hidden_state(self, position, seq=0):
-        cache = self.caches[seq]
-        return np.array(cache[position - 1:position + 1]) if 1 <= position < len(cache) else None
+    def forward_batch_hidden(self, items, hidden_for):
+        self.hidden_calls.append(set(hidden_for))
+        starts = {seq: len(self.caches[seq]) for seq, _, _ in items}
+        logits = self.forward_batch(items)
+        rows = {}
+        for seq, _, want in items:
+            if seq in hidden_for:
+                cache, pos = self.caches[seq], [starts[seq] + j for j in want]
+                rows[seq] = HiddenRows(pos, np.array([[cache[p - 1] if p else 0, cache[p]] for p in pos]))
+        return logits, rows
 
     def make_heads(self, weight, bias, vocab_subset):
         tilt = weight[:, 0, 0]  # [K]
@@ -126,10 +138,17 @@ def three_token_distribution(target, ids):
     return out
 
 
+class MislabelledHeads(MislabelledDrafter, HiddenStateDrafter):
+    """MislabelledDrafter over heads: it hands the hidden states on to them."""
+
+    def observe_hidden(self, positions, hidden):
+        self.inner.observe_hidden(positions, hidden)
+
+
 def test_sampling_with_head_distributions_keeps_the_target_distribution():
-    """Three-token continuations: step 1 is plain (no hidden state yet), step 2 drafts with
-    the heads (their shaped distributions as draft probabilities) and verifies by
-    speculative sampling. A drafter that misreports the distribution fails the same test."""
+    """Three-token continuations: step 1 drafts with the heads on the prefill's last hidden
+    state (their shaped distributions as draft probabilities) and verifies by speculative
+    sampling. A drafter that misreports the distribution fails the same test."""
     target = HiddenBigram(n_seq=1, sharp=2.0)
     ids = [3, 4, 5]
     # The heads' draft decides the second token (the third is the target's own, or a
@@ -148,6 +167,7 @@ def test_sampling_with_head_distributions_keeps_the_target_distribution():
     def sample(d):
         counts: dict = {}
         for i in range(n):
+            eng.forget_prefix()  # a prefill each time: its last hidden state drafts the first step
             r = eng.generate(ids, sampling=SamplingParams(temperature=1.0, seed=500 + i), max_tokens=3, drafter=d)
             counts[tuple(r.token_ids[:2])] = counts.get(tuple(r.token_ids[:2]), 0) + 1
         return counts
@@ -155,7 +175,7 @@ def test_sampling_with_head_distributions_keeps_the_target_distribution():
     assert chi_square_p(sample(drafter), expected, n) > 1e-3
     r = eng.generate(ids, sampling=SamplingParams(temperature=1.0, seed=1), max_tokens=60)
     assert 0.1 * r.stats.drafted < r.stats.accepted < r.stats.drafted  # often, not always
-    assert chi_square_p(sample(MislabelledDrafter(drafter)), expected, n) < 1e-6
+    assert chi_square_p(sample(MislabelledHeads(drafter)), expected, n) < 1e-6
 
 
 def test_heads_for_another_target_are_refused(models_, tokenizer, trained, smollm_torch):  # noqa: F811
@@ -181,12 +201,18 @@ def test_heads_trained_on_torch_draft_for_the_same_gguf_on_llama_cpp(smollm, tra
     assert len(ids) > 64
     plain = SpeculativeEngine(smollm, NoDrafter(), 0).generate(ids, max_tokens=40, record_top2_gaps=True)
     drafter = HeadsDrafter(trained[0], smollm)
-    try:
-        spec = SpeculativeEngine(smollm, drafter, 3).generate(ids, max_tokens=40)
-    finally:
-        smollm.set_capture_hidden(False)
+    eng = SpeculativeEngine(smollm, drafter, 3)
+    spec = eng.generate(ids, max_tokens=40)
     assert parity_report(spec, plain)["status"] in ("exact", "near-tie")
     assert spec.stats.accepted > 0
+    # The first step drafts from the prefill's last hidden state where llama.cpp can give
+    # it (a prefill of at most 64 tokens), and drafts nothing after a longer one.
+    for prompt, drafts in ((ids, False), (ids[:20], True)):
+        eng.forget_prefix()
+        gen = eng.begin(prompt, max_tokens=8)
+        eng.step([gen])
+        assert (gen.out.stats.drafted > 0) == drafts
+        eng.end(gen)
 
 
 def test_a_corrupt_heads_file_fails_cleanly(tmp_path, capsys, trained):
@@ -333,3 +359,87 @@ def test_corpus_is_written_whole_or_not_at_all(tmp_path, capsys):
     rc = main(["heads", "corpus", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "new"),
                "--parallel", "0"])
     assert rc != 0 and "--parallel 0 is out of range" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_hidden_states_are_asked_only_for_forwards_whose_drafter_reads_them():
+    target = HiddenBigram(n_seq=2, sharp=2.0)
+    V = target.n_vocab
+    heads = DraftHeads(np.full((2, 2, 2), 0.3, np.float32), np.zeros((2, 2), np.float32), np.arange(V),
+                       heads_meta(target, 2, {}))
+    eng = SpeculativeEngine(target, HeadsDrafter(heads, target), 2)
+    r = eng.generate([3, 4, 5], max_tokens=12)
+    assert r.stats.drafted > 0 and target.hidden_calls and all(c == {0} for c in target.hidden_calls)
+    n = len(target.hidden_calls)
+    eng.generate([3, 4, 5], max_tokens=12, plain=True)  # the same target, plain: no hidden states
+    assert len(target.hidden_calls) == n
+    # A batch of a heads generation (slot 0) and a plain one (slot 1): only slot 0's rows.
+    a = eng.begin([3, 4, 5], max_tokens=6, slot=0)
+    b = eng.begin([6, 7, 8], max_tokens=6, slot=1, drafter=NoDrafter())
+    while not (a.done or b.done):
+        eng.step([a, b])
+    assert target.hidden_calls[n:] and all(c == {0} for c in target.hidden_calls[n:])
+    eng.end(a), eng.end(b)
+
+
+def test_a_controller_over_heads_reads_hidden_states_and_hands_them_on():
+    target = HiddenBigram(n_seq=2, sharp=4.0)
+    V = target.n_vocab
+    heads = HeadsDrafter(DraftHeads(np.zeros((3, 2, 2), np.float32), np.zeros((3, 2), np.float32), np.arange(V),
+                                    heads_meta(target, 3, {})), target)
+    curve = CostCurve((1, 2, 4), (0.035, 0.036, 0.037))
+    lookups = SpeculationController([Source(NgramDrafter(), 1e-5)], curve)
+    assert not isinstance(lookups, HiddenStateDrafter)
+    ctl = SpeculationController([Source(NgramDrafter(), 1e-5), Source(heads, 1e-5)], curve)
+    assert isinstance(ctl, HiddenStateController) and isinstance(ctl.fork(1), HiddenStateController)
+    eng = SpeculativeEngine(target, ctl, 3)
+    spec = eng.generate([3, 4, 5], max_tokens=40)
+    plain = eng.generate([3, 4, 5], max_tokens=40, plain=True)
+    assert spec.token_ids == plain.token_ids
+    assert ctl.choices["heads"] > 0 and spec.stats.accepted > 0
+
+
+def test_one_head_formula_on_both_backends_output_bias_included(tmp_path, models_, tokenizer):  # noqa: F811
+    """The llama.cpp backend's numpy heads (over the GGUF's output rows and bias) and the
+    torch backend's give the same logits on the same weights, and both are the formula."""
+    import copy
+
+    import gguf
+
+    model = copy.deepcopy(models_["llama"])
+    H, V = model.config.hidden_size, model.config.vocab_size
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        head = torch.nn.Linear(H, V, bias=True)
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.copy_(torch.tensor(rng.normal(0, 2.0, V), dtype=torch.float32))
+    model.lm_head = head
+    tb = backend(model, tokenizer, "biased")
+    path = tmp_path / "head.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("output.weight", head.weight.detach().numpy())
+    w.add_tensor("output.bias", head.bias.detach().numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    lb = object.__new__(LlamaCppBackend)  # make_heads reads only the file and the vocabulary size
+    lb.path, lb._n_vocab = path, V
+
+    K = 3
+    weight = rng.normal(0, 0.2, (K, H, H)).astype(np.float32)
+    bias = rng.normal(0, 0.2, (K, H)).astype(np.float32)
+    subset = np.sort(rng.choice(V, 40, replace=False))
+    h = rng.normal(0, 1.0, H).astype(np.float32)
+    on_llama = lb.make_heads(weight, bias, subset)(h, K)
+    on_torch = tb.make_heads(weight, bias, subset)(torch.tensor(h), K)
+    w_out, b_out = head.weight.detach().numpy()[subset], head.bias.detach().numpy()[subset]
+    expected = np.stack([w_out @ (h + (x := weight[k] @ h + bias[k]) / (1 + np.exp(-x))) + b_out for k in range(K)])
+    outside = np.setdiff1d(np.arange(V), subset)
+    for got in (on_llama, on_torch):
+        assert np.allclose(got[:, subset], expected, rtol=1e-4, atol=1e-4)
+        assert np.isneginf(got[:, outside]).all()
+    assert not np.allclose(expected - b_out, expected, atol=1e-2)  # the bias matters here
+    np_w, np_b = output_rows(path, subset)
+    assert np.array_equal(np_w, w_out) and np.array_equal(np_b, b_out)
+    batch = rng.normal(0, 1.0, (5, H)).astype(np.float32)  # training's shape: [B, H] -> [B, K, S]
+    assert np.allclose(residual_heads(batch, weight, bias, w_out, b_out, np.einsum, lambda x: x / (1 + np.exp(-x))),
+                       residual_heads(*map(torch.tensor, (batch, weight, bias, w_out, b_out)), torch.einsum,
+                                      torch.nn.functional.silu).numpy(), rtol=1e-4, atol=1e-4)

@@ -36,7 +36,7 @@ CORPUS = [
 def tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(registry.BPE())
+    tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
@@ -362,3 +362,24 @@ def test_cost_cache_key_tells_dtypes_apart(models_, tokenizer):
     bf16 = backend(copy.deepcopy(models_["llama"]).to(torch.bfloat16), tokenizer, "m")
     assert machine_key(f32) == machine_key(backend(models_["llama"], tokenizer, "m"))
     assert machine_key(f32) != machine_key(bf16)
+
+
+def test_hidden_rows_are_asked_for_per_call(models_, tokenizer):
+    """forward_batch_hidden gives forward's logits and, only for the sequences named, the
+    final hidden states of the logit rows (from which the output projection gives them)."""
+    from specdecode.backends.base import SeqForward
+
+    b = backend(models_["llama"], tokenizer, "llama")
+    ids = prompt_ids(tokenizer)
+    rows = [len(ids) - 2, len(ids) - 1]
+    plain = b.forward(ids, logits_for=rows)
+    b.rollback(0)
+    (logits,), hidden = b.forward_batch_hidden([SeqForward(0, ids, rows)], {0})
+    assert np.allclose(logits, plain, atol=1e-4)
+    assert hidden[0].positions == rows and tuple(hidden[0].hidden.shape) == (2, b.hidden_size)
+    with torch.no_grad():
+        again = b.model.get_output_embeddings()(hidden[0].hidden).float().numpy()
+    assert np.allclose(again, logits, atol=1e-5)
+    b.rollback(0)
+    (logits,), hidden = b.forward_batch_hidden([SeqForward(0, ids, rows)], ())
+    assert hidden == {} and np.allclose(logits, plain, atol=1e-4)

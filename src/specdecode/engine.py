@@ -35,7 +35,7 @@ import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len
 from .control.planner import end_plan, observe_verification, plan_batch
-from .drafters.base import Draft, Drafter, NoDrafter
+from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
 from .limits import check_num_speculative_tokens
@@ -177,7 +177,7 @@ class SpeculativeEngine:
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, options.max_tokens,
                                 options.stop, options.logprobs, options.record_top2_gaps, started)
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids))
-        self._prefill(where, gen.committed)
+        self._prefill(where, gen.committed, gen.drafter)
         where.gen = gen
         self._uses += 1
         where.last_used = self._uses
@@ -216,9 +216,17 @@ class SpeculativeEngine:
             gen.out.stats.draft_s += time.perf_counter() - t0
             blocks.append((draft_ids, draft_probs))
         t1 = time.perf_counter()
-        logits = self.target.forward_batch([
-            SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
-            for gen, (ids, _) in zip(gens, blocks)])
+        items = [SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
+                 for gen, (ids, _) in zip(gens, blocks)]
+        # Hidden states only for a forward in which some generation's drafter reads them.
+        hidden_for = {gen.slot.seq for gen in gens if isinstance(gen.drafter, HiddenStateDrafter)}
+        if hidden_for:
+            logits, hidden = self.target.forward_batch_hidden(items, hidden_for)
+        else:
+            logits, hidden = self.target.forward_batch(items), {}
+        for gen in gens:
+            if gen.slot.seq in hidden:
+                gen.drafter.observe_hidden(*hidden[gen.slot.seq])
         results = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
         t2 = time.perf_counter()
         observe_verification(gens[0].drafter, sum(len(ids) + 1 for ids, _ in blocks), t2 - t1)
@@ -297,13 +305,19 @@ class SpeculativeEngine:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.target.n_ctx}: "
                 f"it must be shorter than the context to leave room for at least one new token", param="prompt")
 
-    def _prefill(self, slot: Slot, committed: list[int]) -> None:
+    def _prefill(self, slot: Slot, committed: list[int], drafter: Drafter) -> None:
         """Cache committed[:-1] in the slot's sequence (see the KV invariant), reusing the
-        longest cached prefix."""
+        longest cached prefix; a drafter that reads hidden states gets the last position's
+        (where the backend gives it), for the first step's draft."""
         keep = common_prefix_len(slot.cached, committed, len(committed) - 1)
         slot.cached = []  # until the forward succeeds
         self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
-        if len(committed) - 1 > keep:
+        n = len(committed) - 1 - keep
+        if n > 0 and isinstance(drafter, HiddenStateDrafter):
+            _, hidden = self.target.forward_batch_hidden([SeqForward(slot.seq, committed[keep:-1], [n - 1])],
+                                                         {slot.seq})
+            drafter.observe_hidden(*hidden[slot.seq])
+        elif n > 0:
             self.target.forward(committed[keep:-1], logits_for=[], seq=slot.seq)
         slot.cached = committed[:-1]
 

@@ -16,14 +16,14 @@ forward pass (continuous batching); ``forward`` is the batch of one. ``kv_len`` 
 Optional abilities are declared, not probed: ``supports_greedy_draft`` (a whole greedy
 draft on the device, :meth:`Backend.greedy_draft`), ``supports_output_subset()``
 (logits for a subset of the vocabulary, :meth:`Backend.set_output_subset`) and
-``supports_hidden_states`` (the final hidden states of a forward's logit rows, for draft
-heads: :meth:`Backend.hidden_state`, :meth:`Backend.make_heads`).
+``supports_hidden_states`` (the final hidden states of a forward's logit rows, asked for
+per call, for draft heads: :meth:`Backend.forward_batch_hidden`, :meth:`Backend.make_heads`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Collection, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -48,6 +48,32 @@ class SeqForward(NamedTuple):
     logits_for: Sequence[int]
 
 
+class HiddenRows(NamedTuple):
+    """The target's final (post-norm) hidden states of one sequence's logit rows in one
+    forward: positions [M] (absolute positions in the sequence, ascending) and hidden [M, H]
+    (a device tensor or a numpy array, the input of :meth:`Backend.make_heads`' function).
+    M may be less than the rows asked for (none at all: see the backend's limits)."""
+
+    positions: list[int]
+    hidden: Any
+
+
+def residual_heads(h, weight, bias, w_out, b_out, einsum: Callable, silu: Callable):
+    """Medusa-1 residual heads (:mod:`specdecode.drafters.heads`), the one formula of every
+    place that runs them (the backends' :meth:`Backend.make_heads`, training), on numpy
+    arrays or torch tensors alike (einsum and silu of that library)::
+
+        z_k = h + SiLU(W_k h + b_k),    logits_k = W_out[S] z_k + b_out[S]
+
+    h [..., H]; weight [K, H, H]; bias [K, H]; w_out [S, H] (the output projection's rows
+    of the vocabulary subset S); b_out [S] or None (its bias, where the model has one).
+    Returns the subset's logits [..., K, S].
+    """
+    z = h[..., None, :] + silu(einsum("kij,...j->...ki", weight, h) + bias)  # [..., K, H]
+    logits = z @ w_out.T
+    return logits if b_out is None else logits + b_out
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a KV cache of n_seq sequences."""
@@ -58,7 +84,7 @@ class Backend(Protocol):
     n_threads: int | None  # CPU threads, where the backend has a setting
     device: str  # where the weights live ("cpu", "cuda")
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
-    supports_hidden_states: bool  # hidden_state() / make_heads() serve draft heads
+    supports_hidden_states: bool  # forward_batch_hidden() / make_heads() serve draft heads
 
     @property
     def cost_key(self) -> str:
@@ -111,6 +137,12 @@ class Backend(Protocol):
         tokens to its sequence; returns each item's logits [M_i, V], in order. Nothing is
         appended when it raises (as :meth:`forward`)."""
 
+    def forward_batch_hidden(self, items: Sequence[SeqForward],
+                             hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
+        """:meth:`forward_batch`, also returning the final hidden states of the logit rows of
+        each item whose sequence id is in hidden_for, by sequence id (only where
+        supports_hidden_states; the logits are those forward_batch gives)."""
+
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop sequence seq's cached positions >= n (0 <= n <= seq_len(seq))."""
 
@@ -121,18 +153,10 @@ class Backend(Protocol):
         """Feed token_ids [N], then draft k tokens greedily; returns the k ids (only where
         supports_greedy_draft). The cache then holds token_ids and the first k-1 drafts."""
 
-    def set_capture_hidden(self, on: bool) -> None:
-        """Keep the final hidden states of each forward's logit rows (only where
-        supports_hidden_states)."""
-
-    def hidden_state(self, position: int, seq: int = 0):
-        """The final (post-norm) hidden state [H] at this absolute position of sequence seq,
-        from the latest forward, if that forward returned logits there and the position is
-        still cached; else None. A device tensor, for :meth:`make_heads`' function."""
-
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
-        """Draft heads on this device (:mod:`specdecode.drafters.heads`): returns f(h, k) ->
-        logits [k, V] float32 of heads 1..k on hidden state h (-inf outside vocab_subset)."""
+        """Draft heads on this device (:func:`residual_heads`): returns f(h, k) -> logits
+        [k, V] float32 of heads 1..k on hidden state h [H], a row of
+        :meth:`forward_batch_hidden`'s HiddenRows (-inf outside vocab_subset)."""
 
     def supports_output_subset(self) -> bool:
         """Whether set_output_subset can restrict the logits to some token ids."""
@@ -203,11 +227,9 @@ class BackendBase:
     def supports_output_subset(self) -> bool:
         return False
 
-    def set_capture_hidden(self, on: bool) -> None:
+    def forward_batch_hidden(self, items: Sequence[SeqForward],
+                             hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} does not give its hidden states")
-
-    def hidden_state(self, position: int, seq: int = 0):
-        return None
 
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot run draft heads")

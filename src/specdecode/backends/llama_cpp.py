@@ -15,12 +15,12 @@ import ctypes
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
-from .base import BackendBase, SeqForward
+from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 _BACKEND_READY = False
@@ -93,6 +93,31 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def output_rows(path: str | Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The output projection's rows for the token ids [S] of a GGUF file, dequantized
+    (output.weight, or the tied token_embd.weight): w_out [S, H] float32, and the output
+    bias b_out [S] float32 where the file has one (output.bias), else None. Read with the
+    gguf package. Raises SpecDecodeError when the file has no output projection."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if t is None:
+        raise SpecDecodeError(f"{path} has no output.weight or token_embd.weight for draft heads")
+
+    def rows(t) -> np.ndarray:
+        return np.ascontiguousarray(dequantize(np.asarray(t.data)[ids], t.tensor_type).reshape(len(ids), -1),
+                                    dtype=np.float32)
+
+    bias = tensors.get("output.bias") if t.name == "output.weight" else None
+    return rows(t), rows(bias).reshape(len(ids)) if bias is not None else None
+
+
 class LlamaCppBackend(BackendBase):
     """One GGUF model on llama.cpp, with a KV cache of n_seq sequences.
 
@@ -106,9 +131,9 @@ class LlamaCppBackend(BackendBase):
     a batch whose sequences bring different numbers of tokens stays one ubatch (a
     per-sequence cache would split it into equal shares per sequence).
 
-    Hidden states (draft heads): with ``set_capture_hidden(True)`` the context also outputs
-    llama.cpp's embeddings (pooling none), the final hidden state of every logit row, from
-    the same llama_decode.
+    Hidden states (draft heads): :meth:`forward_batch_hidden` also turns on llama.cpp's
+    embeddings output (pooling none) for the llama_decode calls that need it: the final
+    hidden state of every logit row, from the same llama_decode.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
@@ -183,9 +208,8 @@ class LlamaCppBackend(BackendBase):
         self._seq_lens = [0] * n_seq
         self.n_threads = n_threads
 
-        self._capture = False
+        self._embeddings = False  # whether the context outputs embeddings (llama_set_embeddings)
         self._n_embd = int(self._lib.llama_model_n_embd(self._model))
-        self._hidden: dict[int, tuple[list[int], np.ndarray]] = {}  # seq -> (positions [M], hidden [M, H])
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
@@ -225,14 +249,6 @@ class LlamaCppBackend(BackendBase):
     def token_text(self, token_id: int) -> bytes:
         return self._lib.llama_vocab_get_text(self._vocab, token_id) or b""
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
-
-    def _meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
-
     @property
     def chat_template(self) -> str | None:
         t = self._lib.llama_model_chat_template(self._model, None)
@@ -265,10 +281,6 @@ class LlamaCppBackend(BackendBase):
         except jinja2.TemplateError as e:
             raise SpecDecodeError(f"the chat template of {self.name} rejected the messages: {e}") from None
 
-    @property
-    def add_bos(self) -> bool:
-        return bool(self._lib.llama_vocab_get_add_bos(self._vocab))
-
     # --- evaluation -------------------------------------------------------------------
     @property
     def n_seq(self) -> int:
@@ -293,9 +305,19 @@ class LlamaCppBackend(BackendBase):
         are asked of one sequence or llama.cpp reports a failure (every sequence is then
         left as it was).
         """
+        return self.forward_batch_hidden(items, ())[0]
+
+    def forward_batch_hidden(self, items: Sequence[SeqForward],
+                             hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
+        """:meth:`forward_batch`, also returning the hidden states [M, H] (numpy float32) of
+        the logit rows of the sequences in hidden_for. With embeddings on, llama.cpp outputs
+        every token of a llama_decode: only a call of at most the output buffer's rows
+        (min(n_batch, 64 n_seq)) may have them, so a longer chunk (a long prefill) gives no
+        hidden rows. Raises as forward_batch."""
         seqs = [int(it[0]) for it in items]
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a batched forward takes each sequence once, got {seqs}")
+        hidden_for = {int(s) for s in hidden_for}
         # Flattened batch: (seq, token, position, output row or -1) per token.
         flat: list[tuple[int, int, int, int]] = []
         outs: list[np.ndarray] = []
@@ -314,82 +336,64 @@ class LlamaCppBackend(BackendBase):
                     where.append((i, r))
                 flat.append((seq, tok, base + j, len(where) - 1 if r >= 0 else -1))
             outs.append(np.empty((len(want), self._n_vocab), dtype=np.float32))
+        hidden: dict[int, tuple[list[int], list[np.ndarray]]] = {s: ([], []) for s in seqs if s in hidden_for}
         before = list(self._seq_lens)
-        lib, b = self._lib, self._batch
-        hidden: dict[int, tuple[list[int], list[np.ndarray]]] = {}
         for start in range(0, len(flat), self._n_batch):
-            chunk = flat[start: start + self._n_batch]  # its rows fit: <= min(n_batch, 64 * n_seq)
-            for j, (seq, tok, pos, r) in enumerate(chunk):
-                b.token[j] = tok
-                b.pos[j] = pos
-                b.n_seq_id[j] = 1
-                b.seq_id[j][0] = seq
-                b.logits[j] = r >= 0
-            b.n_tokens = len(chunk)
-            if self._capture:
-                # With embeddings on, llama.cpp outputs every token of the batch: only a chunk
-                # that fits the output buffer may have them (a long prefill asks for no rows).
-                lib.llama_set_embeddings(self._ctx, len(chunk) <= self._rows_max)
-            rc = lib.llama_decode(self._ctx, b)
-            if rc != 0:
-                for seq, n in enumerate(before):  # leave every sequence as it was before this call
-                    lib.llama_memory_seq_rm(self._mem, seq, n, -1)
-                self._seq_lens = before
-                raise SpecDecodeError(f"{self.name}: llama_decode failed with code {rc}")
-            for j, (seq, _, pos, r) in enumerate(chunk):
-                self._seq_lens[seq] = pos + 1
-                if r >= 0:
-                    i, row = where[r]
-                    outs[i][row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, j), shape=(self._n_vocab,))
-                    if self._capture and len(chunk) <= self._rows_max:
-                        ptr = lib.llama_get_embeddings_ith(self._ctx, j)
-                        rows = hidden.setdefault(seq, ([], []))
-                        rows[0].append(pos)
-                        rows[1].append(np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).copy())
-        if self._capture:
-            for seq, *_ in items:
-                pos_rows = hidden.get(int(seq))
-                self._hidden[int(seq)] = (pos_rows[0], np.stack(pos_rows[1])) if pos_rows else ([], None)
-        return outs
+            self._decode(flat[start: start + self._n_batch], where, outs, hidden, before)
+        return outs, {s: HiddenRows(pos, np.stack(rows) if rows else np.zeros((0, self._n_embd), np.float32))
+                      for s, (pos, rows) in hidden.items()}
+
+    def _decode(self, chunk: list[tuple[int, int, int, int]], where: list[tuple[int, int]], outs: list[np.ndarray],
+                hidden: dict[int, tuple[list[int], list[np.ndarray]]], before: list[int]) -> None:
+        """One llama_decode of chunk [(seq, token, position, output row or -1)]: copies the
+        logit rows into outs (where: output row -> (item, row)) and, for the sequences that
+        hidden holds, the hidden rows into it; on failure every sequence goes back to its
+        length in before."""
+        lib, b = self._lib, self._batch
+        for j, (seq, tok, pos, r) in enumerate(chunk):  # its rows fit: <= min(n_batch, 64 * n_seq)
+            b.token[j] = tok
+            b.pos[j] = pos
+            b.n_seq_id[j] = 1
+            b.seq_id[j][0] = seq
+            b.logits[j] = r >= 0
+        b.n_tokens = len(chunk)
+        embeddings = (len(chunk) <= self._rows_max
+                      and any(r >= 0 and seq in hidden for seq, _, _, r in chunk))
+        if embeddings != self._embeddings:
+            lib.llama_set_embeddings(self._ctx, embeddings)
+            self._embeddings = embeddings
+        rc = lib.llama_decode(self._ctx, b)
+        if rc != 0:
+            for seq, n in enumerate(before):  # leave every sequence as it was before this call
+                lib.llama_memory_seq_rm(self._mem, seq, n, -1)
+            self._seq_lens = list(before)
+            raise SpecDecodeError(f"{self.name}: llama_decode failed with code {rc}")
+        for j, (seq, _, pos, r) in enumerate(chunk):
+            self._seq_lens[seq] = pos + 1
+            if r >= 0:
+                i, row = where[r]
+                outs[i][row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, j), shape=(self._n_vocab,))
+                if embeddings and seq in hidden:
+                    ptr = lib.llama_get_embeddings_ith(self._ctx, j)
+                    hidden[seq][0].append(pos)
+                    hidden[seq][1].append(np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).copy())
 
     # --- hidden states, for draft heads --------------------------------------------------
     @property
     def hidden_size(self) -> int:
         return self._n_embd
 
-    def set_capture_hidden(self, on: bool) -> None:
-        """Also return the final (post-norm) hidden state of every logit row (llama.cpp's
-        embeddings output with pooling none: one llama_decode gives both)."""
-        self._lib.llama_set_embeddings(self._ctx, bool(on))
-        self._capture, self._hidden = bool(on), {}
-
-    def hidden_state(self, position: int, seq: int = 0):
-        entry = self._hidden.get(seq)
-        if entry is None or position >= self._seq_lens[seq] or position not in entry[0]:
-            return None
-        return entry[1][entry[0].index(position)]
-
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
-        """Residual heads in numpy over the output projection's rows for vocab_subset, read
-        from the GGUF (output.weight, or the tied token_embd.weight) and dequantized once
-        with the gguf package: f(h [H], k) -> logits [k, V] float32, -inf outside the subset."""
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-
-        tensors = {t.name: t for t in GGUFReader(str(self.path)).tensors}
-        t = tensors.get("output.weight") or tensors.get("token_embd.weight")
-        if t is None:
-            raise SpecDecodeError(f"{self.path} has no output.weight or token_embd.weight for draft heads")
+        """Residual heads (:func:`residual_heads`) in numpy over the output projection's rows
+        for vocab_subset (and its bias, where the model has one), read from the GGUF and
+        dequantized once: f(h [H], k) -> logits [k, V] float32, -inf outside the subset."""
         ids = np.asarray(vocab_subset, dtype=np.int64)
-        w_out = np.ascontiguousarray(dequantize(np.asarray(t.data)[ids], t.tensor_type).reshape(len(ids), -1),
-                                     dtype=np.float32)  # [S, H]
+        w_out, b_out = output_rows(self.path, ids)
         W, b, V = weight.astype(np.float32), bias.astype(np.float32), self._n_vocab
 
         def run(h: np.ndarray, k: int) -> np.ndarray:
-            pre = np.einsum("kij,j->ki", W[:k], h) + b[:k]
-            z = h + pre / (1.0 + np.exp(-pre))  # [k, H]: h + SiLU(W h + b)
             logits = np.full((k, V), -np.inf, dtype=np.float32)
-            logits[:, ids] = z @ w_out.T
+            logits[:, ids] = residual_heads(h, W[:k], b[:k], w_out, b_out, np.einsum, _silu)
             return logits
 
         return run

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import DEVICES, DTYPES
-from .base import BackendBase
+from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -124,8 +124,6 @@ class TorchBackend(BackendBase):
         self._special_ids = self._find_special_ids()
         self._piece_cache: dict[int, bytes] = {}
         self._subset: tuple | None = None  # (ids [S] long, weight rows [S, H], bias [S] or None)
-        self._capture = False
-        self._hidden: tuple | None = None  # (first position, row offsets [M], hidden [M, H]) of the last forward
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", n_ctx: int = 4096,
@@ -290,23 +288,42 @@ class TorchBackend(BackendBase):
         at a time; :meth:`forward_batch` of more than one sequence raises SpecDecodeError).
         Raises ContextOverflowError when the tokens do not fit in n_ctx.
         """
+        return self._forward(token_ids, logits_for, seq, hidden=False)[0]
+
+    def forward_batch_hidden(self, items: Sequence[SeqForward],
+                             hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
+        """:meth:`forward_batch` (one sequence), also returning the hidden states [M, H] (a
+        device tensor in the model's dtype) of its logit rows when its seq is in hidden_for:
+        the logits are then computed from those rows as the model's own forward does
+        (decoder, then the output projection)."""
+        if len(items) != 1:
+            return super().forward_batch(items), {}  # raises: one sequence
+        seq, tokens, rows = items[0]
+        want = int(seq) in {int(s) for s in hidden_for}
+        logits, hidden = self._forward(tokens, rows, seq, hidden=want)
+        return [logits], ({int(seq): hidden} if want else {})
+
+    def _forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int,
+                 hidden: bool) -> tuple[np.ndarray, HiddenRows | None]:
+        """:meth:`forward`, and with hidden the hidden rows of the logit rows."""
         torch = self._torch
         tokens = [int(t) for t in token_ids]
         n = len(tokens)
         want = self._check_forward(tokens, logits_for, seq)
+        empty = np.zeros((0, self._n_vocab), dtype=np.float32)
         if n == 0:
-            return np.zeros((0, self._n_vocab), dtype=np.float32)
-        dev = self.device
+            return empty, HiddenRows([], None) if hidden else None
+        dev, start = self.device, self._kv_len
         with torch.inference_mode():
-            logits = self._logits(torch.tensor([tokens], dtype=torch.long, device=dev),
-                                  torch.tensor(want if want else [n - 1], dtype=torch.long, device=dev))
-            if not want:
-                return np.zeros((0, self._n_vocab), dtype=np.float32)
-            return logits.float().cpu().numpy()
+            logits, h = self._logits(torch.tensor([tokens], dtype=torch.long, device=dev),
+                                     torch.tensor(want if want else [n - 1], dtype=torch.long, device=dev), hidden)
+            rows = HiddenRows([start + j for j in want], h[: len(want)]) if hidden else None
+            return (logits.float().cpu().numpy() if want else empty), rows
 
-    def _logits(self, ids, keep):
+    def _logits(self, ids, keep, hidden: bool = False):
         """One forward of ids [1, N] (a device tensor) at positions kv_len..; returns the
-        logits rows ``keep`` [M] as a device tensor [M, V] (-inf outside an output subset)."""
+        logits rows ``keep`` [M] as a device tensor [M, V] (-inf outside an output subset)
+        and, with hidden, the final hidden states of those rows [M, H] (else None)."""
         torch = self._torch
         n = int(ids.shape[1])
         pos = torch.arange(self._kv_len, self._kv_len + n, device=self.device)
@@ -320,19 +337,19 @@ class TorchBackend(BackendBase):
             cache=self._cache,
             use_cache=True,
         )
-        if self._capture:  # the same computation as the model's own forward, keeping the hidden rows
-            hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
-            self._hidden = (self._kv_len, keep.tolist(), hidden)
-            logits = self.model.get_output_embeddings()(hidden)
-        elif self._subset is None:
+        h = None
+        if self._subset is None and not hidden:
             logits = self.model(**kwargs, logits_to_keep=keep).logits[0]
-        else:
-            hidden = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
-            sub_ids, w, b = self._subset
-            logits = torch.full((len(keep), self._n_vocab), float("-inf"), device=self.device)
-            logits[:, sub_ids] = torch.nn.functional.linear(hidden, w, b).float()
+        else:  # the same computation as the model's own forward, keeping the hidden rows
+            h = self.model.get_decoder()(**kwargs).last_hidden_state[0, keep]  # [M, H]
+            if self._subset is None:
+                logits = self.model.get_output_embeddings()(h)
+            else:
+                sub_ids, w, b = self._subset
+                logits = torch.full((len(keep), self._n_vocab), float("-inf"), device=self.device)
+                logits[:, sub_ids] = torch.nn.functional.linear(h, w, b).float()
         self._kv_len += n
-        return logits
+        return logits, (h if hidden else None)
 
     # --- hidden states, for draft heads --------------------------------------------------
     @property
@@ -343,26 +360,9 @@ class TorchBackend(BackendBase):
         """(name, tensor) of every weight (the identity of a model built in memory)."""
         return self.model.named_parameters()
 
-    def set_capture_hidden(self, on: bool) -> None:
-        """Keep each forward's hidden rows (the logits are computed from them exactly as the
-        model's own forward does: decoder, then the output projection on those rows)."""
-        if on and self._subset is not None:
-            raise SpecDecodeError(f"{self.name}: hidden states and an output subset cannot be combined")
-        self._capture, self._hidden = on, None
-
-    def hidden_state(self, position: int, seq: int = 0):
-        self._check_seq(seq)
-        if self._hidden is None or position >= self._kv_len:
-            return None
-        start, rows, hidden = self._hidden
-        try:
-            return hidden[rows.index(position - start)]
-        except ValueError:
-            return None
-
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
-        """Residual heads on the device in the model's dtype (drafters.heads): f(h [H], k) ->
-        logits [k, V] float32 on the host, -inf outside vocab_subset."""
+        """Residual heads (:func:`residual_heads`) on the device in the model's dtype:
+        f(h [H], k) -> logits [k, V] float32 on the host, -inf outside vocab_subset."""
         torch = self._torch
         head = self.model.get_output_embeddings()
         dtype = head.weight.dtype
@@ -375,9 +375,9 @@ class TorchBackend(BackendBase):
 
         def run(h, k: int) -> np.ndarray:
             with torch.inference_mode():
-                z = h + torch.nn.functional.silu(torch.einsum("kij,j->ki", W[:k], h) + b[:k])  # [k, H]
                 logits = torch.full((k, V), float("-inf"), dtype=torch.float32, device=self.device)
-                logits[:, ids] = torch.nn.functional.linear(z, w_out, b_out).float()
+                logits[:, ids] = residual_heads(h, W[:k], b[:k], w_out, b_out, torch.einsum,
+                                                torch.nn.functional.silu).float()
                 return logits.cpu().numpy()
 
         return run
@@ -399,10 +399,10 @@ class TorchBackend(BackendBase):
         last = torch.tensor([0], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             nxt = self._logits(torch.tensor([tokens], dtype=torch.long, device=self.device),
-                               last + len(tokens) - 1)[0].argmax()
+                               last + len(tokens) - 1)[0][0].argmax()
             drafted = [nxt]
             for _ in range(k - 1):
-                nxt = self._logits(nxt.view(1, 1), last)[0].argmax()
+                nxt = self._logits(nxt.view(1, 1), last)[0][0].argmax()
                 drafted.append(nxt)
             return [int(t) for t in torch.stack(drafted).tolist()]
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens_upto
-from ..drafters.base import ContinuationRule, Draft, Drafter, IncrementalDrafter, LookupDrafter
+from ..drafters.base import ContinuationRule, Draft, Drafter, HiddenStateDrafter, IncrementalDrafter, LookupDrafter
 from .estimators import MATCH_PRIORS, AcceptanceEstimator, TwoRateEstimator, match_band
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
@@ -144,9 +144,18 @@ class SpeculationController(PlannedDrafter):
     undone). A probe that fails doubles that drafter's gap (up to max_probe_gap): probing a
     draft model costs its catch-up over the skipped tokens plus a wider verification, which
     on a compute-bound CPU is a measurable loss when drafts keep failing.
+
+    A controller with a source that is a :class:`HiddenStateDrafter` (draft heads) is one
+    itself (constructing one gives a :class:`HiddenStateController`), so that the engine
+    asks the target for hidden states for its generation and hands them over.
     """
 
     name = "auto"
+
+    def __new__(cls, sources: Sequence[Source] = (), *args, **kwargs):
+        if cls is SpeculationController and any(isinstance(s.drafter, HiddenStateDrafter) for s in sources):
+            cls = HiddenStateController
+        return super().__new__(cls)
 
     # Observed verification times this far from the measured curve (ratio), after
     # DRIFT_MIN_SAMPLES steps, mean the measurement no longer describes the machine.
@@ -387,3 +396,12 @@ class SpeculationController(PlannedDrafter):
                 failed = num_accepted < self._last_k
                 s.probe_gap = min(s.probe_gap * 2, self.max_probe_gap) if failed else self.probe_every
 
+
+class HiddenStateController(SpeculationController, HiddenStateDrafter):
+    """A controller over at least one :class:`HiddenStateDrafter`: it hands each step's
+    hidden states to every such source (whichever drafter drafted the step)."""
+
+    def observe_hidden(self, positions: Sequence[int], hidden) -> None:
+        for s in self.sources:
+            if isinstance(s.drafter, HiddenStateDrafter):
+                s.drafter.observe_hidden(positions, hidden)

@@ -5,9 +5,10 @@ Head k (k = 1..K) reads h_t, the target's final (post-norm) hidden state at posi
 predicts the token k + 1 places ahead, x_{t+k+1} (the target's own output projection
 predicts x_{t+1}, the bonus token of the step that produced h_t):
 
-    z_k = h_t + SiLU(W_k h_t + b_k),    logits_k = W_out[S] z_k        (W_k: [H, H], b_k: [H])
+    z_k = h_t + SiLU(W_k h_t + b_k),    logits_k = W_out[S] z_k (+ b_out[S])    (W_k: [H, H], b_k: [H])
 
-W_out is the target's frozen output projection, restricted to a vocabulary subset S (the
+(one function computes it wherever heads run: :func:`specdecode.backends.base.residual_heads`).
+W_out is the target's frozen output projection (with its bias b_out, where it has one), restricted to a vocabulary subset S (the
 tokens most frequent among the training labels, as FR-Spec restricts a draft's head:
 cheaper heads and training, and a rare token could not be drafted well anyway); logits of
 ids outside S are -inf. W_k starts at zero, so an untrained head k guesses x_{t+1} again.
@@ -30,8 +31,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -39,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
-from ..files import sha256_file
-from .base import Draft, DrafterBase
+from ..files import atomic_path, sha256_file
+from .base import Draft, HiddenStateDrafter
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -105,21 +104,10 @@ class DraftHeads:
         failure leaves nothing half-written). Raises OSError when it cannot be written."""
         from safetensors.numpy import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        try:
+        with atomic_path(path) as tmp:
             save_file({"weight": self.weight.astype(np.float32), "bias": self.bias.astype(np.float32),
                        "vocab_subset": self.vocab_subset.astype(np.int64)}, tmp,
                       metadata={k: str(v) for k, v in self.meta.items()})
-            os.chmod(tmp, 0o666 & ~umask)  # as a file written in place would be (after save_file, which recreates it)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftHeads":
@@ -177,17 +165,18 @@ class DraftHeads:
                 f"{target.name} has {target.hidden_size} and {target.n_vocab}", param="draft")
 
 
-class HeadsDrafter(DrafterBase):
+class HeadsDrafter(HiddenStateDrafter):
     """Drafts with K heads on the target's final hidden state (Stern et al. 2018; Medusa-1).
 
-    Each proposal reads the hidden state the target computed at position L - 2 of the
-    context [L] (the position whose output gave the last committed token) in its latest
-    forward on its sequence (the verification of the step before; :meth:`Backend.hidden_state`), and head k
-    proposes the k-th token after the last committed one: greedy, each head's argmax over
-    its subset; sampled, a draw from each head's distribution shaped by the generation's
-    Sampler, returned as the draft probabilities [k, V] (zero outside the subset), so the
-    speculative sampling rule stays exact. No hidden state there (the first step after the
-    prefill, whose forward asks for no logits): no draft.
+    The engine hands over the hidden states of each verifying forward of this generation
+    (and of the prefill's last position; :meth:`observe_hidden`). Each proposal reads the
+    one at position L - 2 of the context [L] (the position whose output gave the last
+    committed token), and head k proposes the k-th token after the last committed one:
+    greedy, each head's argmax over its subset; sampled, a draw from each head's
+    distribution shaped by the generation's Sampler, returned as the draft probabilities
+    [k, V] (zero outside the subset), so the speculative sampling rule stays exact. No
+    hidden state there (a prefill the backend gave none for, e.g. a long one on llama.cpp,
+    or none at all when the whole prompt was cached): no draft.
 
     heads: trained :class:`DraftHeads`; target: the backend they were trained for (checked:
     HeadsMismatchError otherwise); it must declare ``supports_hidden_states``.
@@ -207,20 +196,34 @@ class HeadsDrafter(DrafterBase):
         self._sampler: "Sampler | None" = None
         self.seq = 0  # the target's KV sequence this drafter's generation runs on
         self._impl = target.make_heads(heads.weight, heads.bias, heads.vocab_subset)
-        target.set_capture_hidden(True)
+        self._positions: list[int] = []  # of the latest hidden rows handed over
+        self._hidden = None  # those rows [M, H]
 
     @property
     def num_heads(self) -> int:
         return self.heads.num_heads
 
     def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
-        self._sampler = sampler
+        self._sampler = sampler  # the prefill's row (observe_hidden) was handed over before this
+
+    def observe_hidden(self, positions: Sequence[int], hidden) -> None:
+        self._positions, self._hidden = list(positions), hidden
+
+    def finish(self, committed: Sequence[int]) -> None:
+        self._positions, self._hidden = [], None
+
+    def _row(self, position: int):
+        """The latest hidden state [H] handed over at this position, or None."""
+        try:
+            return self._hidden[self._positions.index(position)]
+        except ValueError:
+            return None
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sampler = self._sampler
         assert sampler is not None, "start() must be called before propose()"
         k = min(k, self.num_heads)
-        h = self.target.hidden_state(len(context) - 2, self.seq) if k > 0 and len(context) >= 2 else None
+        h = self._row(len(context) - 2) if k > 0 and len(context) >= 2 else None
         if h is None:
             return Draft([])
         logits = self._impl(h, k)  # [k, V] float32, -inf outside the subset
@@ -247,7 +250,7 @@ class HeadsDrafter(DrafterBase):
         if not 0 <= seq < self.target.n_seq:
             raise SpecDecodeError(f"{self.target.name} holds {self.target.n_seq} sequence(s)", param="parallel")
         twin = copy.copy(self)
-        twin.seq, twin._sampler = seq, None
+        twin.seq, twin._sampler, twin._positions, twin._hidden = seq, None, [], None
         return twin
 
 

@@ -1,4 +1,6 @@
-"""``specdecode heads train``: train draft heads for a target (:mod:`specdecode.heads.train`)."""
+"""The ``specdecode heads`` command: ``specdecode heads corpus`` (the target's own answers
+as a training corpus, :mod:`specdecode.heads.corpus`) and ``specdecode heads train``
+(train draft heads for a target, :mod:`specdecode.heads.train`)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ TARGET_HELP = "registry name, .gguf path or Hugging Face folder (default: %(defa
 
 
 def add_heads_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``heads train`` to the CLI's subparsers."""
+    """Add ``heads`` (``heads train`` and ``heads corpus``) to the CLI's subparsers."""
     from ..assembly import registry
     from .train import TrainConfig
 
@@ -25,7 +27,8 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
                       description="Train K draft heads (Medusa-1 residual heads over the target's frozen output "
                                   "projection) on the target's final hidden states over a text corpus, with the "
                                   "target's own greedy predictions as labels; writes a safetensors heads file for "
-                                  "--draft heads:FILE. Runs the target on the torch backend.")
+                                  "--draft heads:FILE. Training runs the target on the torch backend; the heads then "
+                                  "draft for the same model on either backend.")
     t.add_argument("--target", default=registry.DEFAULT_TARGET, help=TARGET_HELP)
     t.add_argument("--out", required=True, help="the heads file to write (safetensors)")
     t.add_argument("--heads", type=int, default=d.heads, help="K, heads to train (default: %(default)s)")
@@ -123,5 +126,5 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
     heads.save(out)
     print(json.dumps(report, indent=2))
     print(f"specdecode: wrote {out} ({heads.num_heads} heads for {args.target}); use --draft heads:{out} "
-          f"--backend torch", flush=True)
+          f"(on the llama.cpp or the torch backend)", flush=True)
     return 0

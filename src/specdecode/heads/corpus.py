@@ -1,4 +1,4 @@
-"""Self-distillation data for draft heads (``specdecode heads corpus``).
+"""``specdecode heads corpus``: self-distillation data for draft heads.
 
 Heads are used on the target's own answers, so they learn best from them: Medusa-2 (Cai et
 al. 2024, Sec. 2.3.2) trains on conversations whose answers the model itself generated,
@@ -11,8 +11,8 @@ The prompts are made offline, here, from two sources that exist on every machine
   docstring, add type hints, explain, simplify): answers that copy and edit code;
 - instructions from templates and topic lists written below (explanations, short stories,
   messages and emails, advice, comparisons): answers in plain prose.
-The target answers each one greedily (any backend; llama.cpp serves them in parallel
-slots), and each conversation is written with the target's own chat template, ending in
+The target answers each one (greedily, or sampled with ``--temperature``; on any backend,
+llama.cpp serving them in parallel slots), and each conversation is written with the target's own chat template, ending in
 its end-of-turn token, one file per conversation kind, ready for ``heads train --corpus``.
 """
 
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import os
-import shutil
 import sysconfig
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
+from ..files import atomic_folder
 from ..output import GenerationResult
 
 SYSTEMS = {"code": (None, "You are a careful coding assistant. Make only the requested change and return the "
@@ -211,27 +209,14 @@ def write_corpus(out: str | Path, transcripts: Iterator[tuple[str, str]]) -> dic
     out, renamed to out only when all are written (out must not exist or be an empty
     folder). Returns {kind: conversations}. Raises SpecDecodeError when out is taken."""
     out = check_corpus_options(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
     counts: dict[str, int] = {}
-    try:
-        with contextlib.ExitStack() as files:  # closes every file, however the loop ends
-            opened = {}
-            for kind, text in transcripts:
-                if kind not in opened:
-                    opened[kind] = files.enter_context(open(tmp / f"{kind}.txt", "w", encoding="utf-8"))
-                opened[kind].write(text + "\n")
-                counts[kind] = counts.get(kind, 0) + 1
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the corpus is an ordinary folder
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_folder(out, replace_empty=True) as tmp, contextlib.ExitStack() as files:
+        opened = {}  # the ExitStack closes every file, however the loop ends (before the rename)
+        for kind, text in transcripts:
+            if kind not in opened:
+                opened[kind] = files.enter_context(open(tmp / f"{kind}.txt", "w", encoding="utf-8"))
+            opened[kind].write(text + "\n")
+            counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 

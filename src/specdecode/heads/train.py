@@ -1,4 +1,4 @@
-"""Training draft heads on a frozen target (``specdecode heads train``).
+"""``specdecode heads train``: training draft heads on a frozen target.
 
 What is trained: Medusa-1 residual heads (:mod:`specdecode.drafters.heads`) over the
 target's frozen output projection restricted to a vocabulary subset.
@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..backends.base import residual_heads
 from ..drafters.heads import MAX_HEADS, DraftHeads, heads_meta
 from ..errors import SpecDecodeError
 
@@ -149,8 +150,8 @@ class _Heads:
         """h [B, H] -> subset logits [B, S] of head k (0-based)."""
         import torch
 
-        z = h + torch.nn.functional.silu(h @ self.W[k].T + self.b[k])
-        return torch.nn.functional.linear(z, self.w_out, self.b_out)
+        return residual_heads(h, self.W[k:k + 1], self.b[k:k + 1], self.w_out, self.b_out, torch.einsum,
+                              torch.nn.functional.silu)[:, 0]
 
 
 def _accuracy(heads: _Heads, H, L, sub_index, K: int, batch: int = 2048) -> list[float]:
@@ -182,8 +183,10 @@ def train_heads(backend, cfg: TrainConfig, progress: bool = True,
     import torch
     from tqdm import tqdm
 
+    from ..backends.torch_backend import TorchBackend
+
     check_config(cfg)
-    if not backend.supports_hidden_states:
+    if not isinstance(backend, TorchBackend):
         raise SpecDecodeError(f"training heads needs the torch backend (--backend torch); {backend.name} is on "
                               f"{type(backend).__name__}", param="--backend")
     torch.manual_seed(cfg.seed)
