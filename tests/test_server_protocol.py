@@ -18,8 +18,8 @@ from specdecode.sampling import SamplingParams
 from specdecode.server import APIError, GenRequest, add_serve_parser, parse_request
 from specdecode.server.cli import API_KEY_ENV, api_key_from
 from specdecode.server.config import DEFAULT_MAX_BODY_BYTES, ServerOptions
-from specdecode.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_TEMPERATURE,
-                                        from_specdecode_error, parse_json_body, resolve_max_tokens)
+from specdecode.server.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_JSON_DEPTH,
+                                        MAX_TEMPERATURE, from_specdecode_error, parse_json_body, resolve_max_tokens)
 
 MODEL = "smollm2-135m-instruct"
 N_CTX = 512
@@ -159,6 +159,33 @@ def test_malformed_json_is_a_400(raw):
 
 def test_json_body_decodes():
     assert parse_json_body(b'{"model": "m", "n": 1}') == {"model": "m", "n": 1}
+    # A surrogate pair escaped in JSON is one character, not two lone surrogates.
+    assert parse_json_body(b'{"prompt": "caf\\u00e9 \\ud83d\\ude00"}') == {"prompt": "caf\u00e9 \U0001f600"}
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "a\\ud800b"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"stop": ["ok", "\\udc00"]}', "stop[1]"),
+    (b'{"\\ud800": 1}', None),
+    (b'{"response_format": {"json_schema": {"\\ud800": 1}}}', "response_format.json_schema"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(raw, param):
+    with pytest.raises(APIError) as e:
+        parse_json_body(raw)
+    assert (e.value.status, e.value.param) == (400, param) and "lone surrogate" in e.value.message
+    assert param is None or param in e.value.message
+
+
+def test_nesting_is_bounded():
+    assert parse_json_body(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH)
+    for raw in (b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), b"[" * 100_000,
+                b'{"user": ' + b'{"a": ' * 500 + b"1" + b"}" * 501):
+        with pytest.raises(APIError) as e:
+            parse_json_body(raw)
+        assert e.value.status == 400 and "nested too deeply" in e.value.message
+    assert e.value.param == "user"
 
 
 # ------------------------------------------------------------------ good input

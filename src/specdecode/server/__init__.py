@@ -24,10 +24,11 @@ its own KV cache), advanced together in shared batched steps (continuous batchin
 between two steps it admits waiting requests into free slots in arrival order and frees
 the slots of finished and cancelled ones. Text deltas travel to the asyncio side through
 a per-request queue. Requests that find every slot taken wait in a bounded queue
-(``max_queue`` waiting, ``--max-queue``, besides the N running); a full queue answers
-429. A client that disconnects cancels its request: a waiting one leaves the queue at
-once, a running one is ended after the current step (its caches rolled back) and frees
-its slot.
+(``max_queue`` waiting, ``--max-queue``, besides the N running): a request is refused
+with 429 only when N running and ``max_queue`` waiting requests are there already (one
+that arrives while a slot is free is never refused, though it waits for the next step).
+A client that disconnects cancels its request: a waiting one leaves the queue at once, a
+running one is ended after the current step (its caches rolled back) and frees its slot.
 
 Request fields honoured (a field whose value is null counts as absent):
     model (required; must be the served model's id), prompt (completions: one string) or
@@ -60,7 +61,9 @@ max_tokens must be at most the context size (400 naming n): one request may not 
 its slot for more tokens than one full-context generation. usage counts the prompt
 once and sums the choices' completion tokens. A stream sends the choices in turn, every
 chunk naming its choice's ``index`` (chat: each choice opens with its role chunk); each
-choice ends with its finish_reason chunk, and the last one carries the usage.
+choice ends with its finish_reason chunk. As OpenAI's, a stream carries usage only with
+``stream_options: {"include_usage": true}``: once, on an extra last chunk with empty
+``choices`` (before ``data: [DONE]``), every other chunk having ``usage: null``.
 
 Every response carries ``speculation``: the generation's statistics
 (:meth:`specdecode.stats.Stats.to_dict`: drafted, accepted, acceptance_rate,
@@ -81,7 +84,21 @@ part of a character, or text that could still begin a stop string) carries empty
 lists; a token whose bytes straddle a stop string is reported on the choice's last text
 chunk, which may then have empty text; tokens cut by a stop string are never reported. The finish_reason chunk carries
 logprobs null. The chunks' logprobs concatenate to the logprobs of the same request
-unstreamed.
+unstreamed. A token need not hold whole characters (byte-level vocabularies split
+multi-byte ones): chat gives every token (and top_logprobs entry) its UTF-8 ``bytes``,
+and writes an incomplete character's bytes in ``token`` escaped (``"\\xe6\\x97"``);
+completions write such a token as ``"bytes:\\xe6\\x97"``, and its text_offset is that of
+the character it belongs to (offsets count characters of the returned text and never
+pass its end).
+
+Client input that is no text is a 400, never a 500: a string or field name holding a
+lone surrogate (a ``\\ud800`` escape without its pair: param names the field, e.g.
+``messages[0].content``), or arrays and objects nested deeper than 64 levels.
+
+Shutdown (SIGINT, SIGTERM to ``specdecode serve``): the server stops taking connections
+and at once stops every generation: waiting and running requests are answered 503 (a
+stream ends with an error chunk and ``data: [DONE]``), and the process exits (status 0
+for SIGTERM) without waiting for streams to run to their end.
 
 Modules, one job each: :mod:`.config` (:class:`ServerOptions`, the server's options as
 one checked object), :mod:`.protocol` (request parsing and validation, pure),

@@ -34,7 +34,13 @@ def error_response(e: APIError) -> JSONResponse:
     from fastapi.responses import JSONResponse
 
     headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    body = e.body()
+    try:
+        return JSONResponse(body, status_code=e.status, headers=headers)
+    except UnicodeEncodeError:  # a message quoting text that is no Unicode (a lone surrogate): escaped
+        error = {k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
+                 for k, v in body["error"].items()}
+        return JSONResponse({"error": error}, status_code=e.status, headers=headers)
 
 
 # Paths served without the API key: liveness and monitoring, no generated text.
@@ -300,9 +306,12 @@ class _Routes:
             raise
         job = Job(req, asyncio.get_running_loop(), arrival)
         if not self.worker.submit(job):
+            if self.worker.stopping:
+                raise APIError(503, "the server is shutting down", type="server_error")
             self.metrics.rejected.labels(reason="queue_full").inc()
-            raise APIError(429, f"the server is busy: {self.worker.queue_len()} requests are waiting (max_queue = "
-                           f"{self.options.max_queue}); retry later", type="rate_limit_error", code="queue_full")
+            slots, queue = self.worker.slots, self.options.max_queue
+            raise APIError(429, f"the server is busy: {slots + queue} requests are running or waiting ({slots} "
+                           f"slots, max_queue = {queue}); retry later", type="rate_limit_error", code="queue_full")
         return job
 
     async def list_models(self, request: Request) -> Response:
@@ -364,11 +373,16 @@ def _full_response(kind: str, model_name: str, choices: list[tuple[int, Any, dic
 async def _stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any],
                   speculation: Callable[[Any], dict]) -> AsyncIterator[str]:
     """The SSE chunks of a stream, choice after choice (each opened, for chat, by its role
-    chunk and closed by its finish_reason chunk); then [DONE]."""
+    chunk and closed by its finish_reason chunk); then, as OpenAI does, with
+    stream_options.include_usage only, one chunk with empty choices and the request's
+    usage (every other chunk then has usage null; without the option no chunk has usage);
+    then [DONE]."""
     chat = kind == "chat"
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+    if req.include_usage:
+        head["usage"] = None
 
     def chunk(index: int, text: str | None, finish: str | None = None, logprobs: dict | None = None,
               role: bool = False) -> dict:
@@ -405,10 +419,8 @@ async def _stream(kind: str, model_name: str, req: GenRequest, job: Job, first: 
             final = chunk(index, None if chat else "", finish=result.finish_reason, logprobs=logprobs)
             if req.n > 1:
                 final["choices"][0]["speculation"] = spec
-            if last:
-                final["usage"] = _usage(results)
-                if req.n == 1:
-                    final["speculation"] = spec
+            if last and req.n == 1:
+                final["speculation"] = spec
             yield _sse(final)
             if last:
                 if req.include_usage:

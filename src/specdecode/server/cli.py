@@ -5,7 +5,12 @@ or, with --replicas / --autoscaling, to the Ray Serve deployment."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import os
+import signal
+from types import FrameType
+from typing import Callable
 
 from ..errors import SpecDecodeError
 from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
@@ -58,8 +63,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}, "
               f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{options.host}:{options.port}/v1",
               flush=True)
-        uvicorn.run(app, host=options.host, port=options.port, log_level="info")
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info")
+        worker = app.state.worker
+        _server_class()(config, on_exit=lambda: worker.stop(timeout=0)).run()
     return 0
+
+
+@functools.cache
+def _server_class() -> type:
+    """uvicorn.Server (imported on first use) that stops the generations when asked to exit.
+
+    uvicorn, told to stop (SIGINT, SIGTERM), stops accepting connections and then waits for
+    the open ones to close before it runs the app's shutdown, which stops the worker; a
+    stream would hold it until its last token. This one first calls ``on_exit`` (which
+    must not block: it tells the worker to stop), from the event loop rather than inside
+    the signal handler, which may have interrupted the loop's own use of the worker's lock:
+    waiting requests get 503, running ones end after the current step, a stream with an
+    error chunk and ``data: [DONE]``; then the connections close and the process exits.
+    SIGTERM, the ordinary way to stop a service, then exits with status 0, where uvicorn
+    would raise the signal again once shut down (death by the signal)."""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+            super().__init__(config)
+            self._on_exit = on_exit
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                try:
+                    asyncio.get_running_loop().call_soon_threadsafe(self._on_exit)
+                except RuntimeError:  # no event loop runs (yet): nothing can hold the lock
+                    self._on_exit()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and hasattr(self, "_captured_signals"):
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    return StoppingServer
 
 
 def _serve_on_ray(args: argparse.Namespace, options: ServerOptions) -> int:

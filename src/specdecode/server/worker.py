@@ -9,6 +9,7 @@ deltas travel to the asyncio side through each job's event queue.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import threading
 import time
@@ -114,8 +115,10 @@ class Worker:
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and stop the thread.
 
-        Waiting jobs get a 503 error event; running ones stop after the current step.
-        timeout: seconds to wait for the thread to end.
+        Waiting jobs get a 503 error event; running ones stop after the current step (and
+        get one too). Jobs submitted from now on are refused.
+        timeout: seconds to wait for the thread to end (0: do not wait, e.g. from the
+        event loop when the server is told to exit).
         """
         with self._cond:
             self._stop = True
@@ -129,10 +132,19 @@ class Worker:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the worker has been told to stop (it takes no more jobs)."""
+        return self._stop
+
     def submit(self, job: Job) -> bool:
-        """Queue a job; False when the queue is full (or the worker stopped)."""
+        """Queue a job; False when slots and queue are full (or the worker stopped).
+
+        A job is taken while the jobs waiting and running leave room for it in the slots
+        plus ``max_queue``: a job that arrives while a slot is free is not counted against
+        the queue, though it waits for the next admission (between two steps)."""
         with self._cond:
-            if self._stop or len(self._waiting) >= self.options.max_queue:
+            if self._stop or len(self._waiting) + len(self._active) >= self.slots + self.options.max_queue:
                 return False
             self._waiting.append(job)
             self._cond.notify()
@@ -170,7 +182,7 @@ class Worker:
                     admitted.append(r)
             if stopping:
                 for r in list(self._active):
-                    self._guarded(r, self._cancelled)
+                    self._guarded(r, lambda r: self._cancelled(r, shutdown=True))
                 return
             try:
                 for r in admitted:
@@ -232,12 +244,13 @@ class Worker:
     def _begin_choice(self, r: _Running) -> None:
         r.gen = self.decoder.begin(prompt_ids=r.ids, options=r.job.req.choice_options(r.index, r.max_tokens))
 
-    def _cancelled(self, r: _Running) -> None:
+    def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
         self._release(r)
         self.metrics.aborted.inc()
-        # Read only when someone still listens: a client whose stream outlives a shutdown.
-        r.job.post("error", APIError(503, "the request was cancelled (client gone or server shutting down)",
-                                     type="server_error"))
+        # Read only when someone still listens: a stream or a request the shutdown stops.
+        message = ("the server is shutting down: the request was stopped before its end" if shutdown else
+                   "the request was cancelled (client gone or server shutting down)")
+        r.job.post("error", APIError(503, message, type="server_error"))
 
     def _step(self) -> None:
         """One batched step of every running generation; post their deltas; finish the
@@ -288,30 +301,49 @@ class Worker:
 
 class _LogprobsFormat:
     """TokenLogprob entries in the endpoint's OpenAI shape (built on the worker thread: the
-    backend is only touched from it). Completions' text_offset counts characters from the
-    start of the choice's text and continues across the chunks of a stream."""
+    backend is only touched from it).
+
+    A token need not hold whole characters: byte-level vocabularies split a multi-byte
+    character over several tokens. Chat gives each token its UTF-8 ``bytes`` (a client
+    joins them), and as ``token`` its text, with the bytes of an incomplete character
+    escaped (``"\\xe6\\x97"``), never U+FFFD. Completions (legacy) write such a token
+    as OpenAI does, ``"bytes:\\xe6\\x97"`` (every byte of the token escaped), and its
+    text_offset counts the characters of the choice's text completed before the token's
+    first byte (continuing across the chunks of a stream): a token inside a split
+    character gets that character's offset, and no offset passes the text's end."""
 
     def __init__(self, kind: str, token_bytes: Callable[[int], bytes]) -> None:
         self.kind = kind
         self.token_bytes = token_bytes
-        self.offset = 0
+        self.offset = 0  # characters completed so far
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        data = self.token_bytes(token_id)
+        return {"token": data.decode("utf-8", errors="backslashreplace"), "logprob": logprob, "bytes": list(data)}
+
+    def _legacy_token(self, token_id: int) -> str:
+        data = self.token_bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def format(self, entries: list) -> dict:
         """The logprobs object of these entries (the next ones of the choice)."""
         if self.kind == "chat":
-            tb = self.token_bytes
             return {"content": [
-                {"token": lp.token, "logprob": lp.logprob, "bytes": list(tb(lp.token_id)),
-                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(tb(i))} for i, t, v in lp.top_logprobs]}
+                {**self._chat_entry(lp.token_id, lp.logprob),
+                 "top_logprobs": [self._chat_entry(i, v) for i, _, v in lp.top_logprobs]}
                 for lp in entries
             ], "refusal": None}
         offsets = []
         for lp in entries:
             offsets.append(self.offset)
-            self.offset += len(lp.token)
+            self.offset += len(self._decoder.decode(self.token_bytes(lp.token_id)))
         return {
-            "tokens": [lp.token for lp in entries],
+            "tokens": [self._legacy_token(lp.token_id) for lp in entries],
             "token_logprobs": [lp.logprob for lp in entries],
-            "top_logprobs": [{t: v for _, t, v in lp.top_logprobs} for lp in entries],
+            "top_logprobs": [{self._legacy_token(i): v for i, _, v in lp.top_logprobs} for lp in entries],
             "text_offset": offsets,
         }
