@@ -58,7 +58,12 @@ def test_eos_at_each_position_of_a_block(eos_at, block):
     assert res.token_ids == script[:n]
     assert res.finish_reason == "stop"
     assert res.stats.completion_tokens == n
-    assert res.stats.accepted <= n
+    # The oracle's drafts up to and including eos are all accepted (eos too, though it is not
+    # emitted); drafts after eos are not counted: a model drafting for itself reads 1.0.
+    assert res.stats.accepted == res.stats.drafted and res.stats.acceptance_rate in (0.0, 1.0)
+    assert res.stats.accepted <= n + 1
+    # Each pass commits its accepted drafts and the target's own token (eos included).
+    assert res.stats.committed_tokens == n + 1
     assert "".join(deltas) == res.text == letters(script[:n])
     # Nothing after eos stays in the cache: the target holds prompt + emitted minus the last.
     assert t.cache == (PROMPT + script[:n])[: len(PROMPT) + n - 1] or (n == 0 and t.cache == PROMPT[:-1])
@@ -182,3 +187,16 @@ def test_penalties_see_drafts_before_each_position():
         assert spec.token_ids == plain.token_ids
     # margin 9 - 2*count - 2 stays above the other tokens' 0 for counts 0..3; then eos (id 0) wins.
     assert spec.token_ids == [2, 2, 2, 2] and spec.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("drafter", ["none", "oracle"])
+def test_a_stop_string_does_not_lower_mean_accepted_length(drafter):
+    """Plain decoding commits one token per forward, whatever a stop string later cuts
+    (the README: plain decoding reads 1.0); speculation's figure counts what was committed."""
+    script = list(range(2, 16))
+    _, res, _ = run(script, stop=("ghi",), drafter=drafter)
+    assert res.text == letters(script).split("ghi")[0] and res.finish_reason == "stop"
+    if drafter == "none":
+        assert res.stats.mean_accepted_length == 1.0
+    else:
+        assert res.stats.mean_accepted_length == res.stats.committed_tokens / res.stats.target_forward_passes > 1.0

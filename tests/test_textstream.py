@@ -84,3 +84,62 @@ def test_stop_string_with_multibyte_characters():
     e = "é".encode()
     deltas, stopped = feed(asm, [[b"caf", e[:1]], [e[1:], b"!", b" ok"]])
     assert stopped and asm.text == "caf" and asm.num_tokens == 1  # the token starting "é" is dropped
+
+
+class NaiveStops:
+    """The reference: every stop string searched in the text after each chunk (the earliest
+    start among matches that end in the new bytes), and the longest suffix that is a proper
+    prefix of a stop string held back."""
+
+    def __init__(self, stops):
+        self.stops = [s.encode() for s in stops]
+        self.buf = b""
+
+    def feed(self, data):
+        old = len(self.buf)
+        self.buf += data
+        starts = [i for s in self.stops for i in _all_starts(self.buf, s) if old < i + len(s) <= len(self.buf)]
+        pending = max((n for s in self.stops for n in range(1, len(s)) if self.buf.endswith(s[:n])), default=0)
+        return (min(starts) if starts else None), pending
+
+
+def _all_starts(buf, s):
+    i = buf.find(s)
+    while i >= 0:
+        yield i
+        i = buf.find(s, i + 1)
+
+
+def test_the_stop_automaton_agrees_with_a_naive_search():
+    import random
+
+    from specdecode.textstream import StopMatcher
+
+    rng = random.Random(7)
+    for _ in range(400):
+        alphabet = "abc" if rng.random() < 0.7 else "ab\u00e9"
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6))})
+        m, ref = StopMatcher([s.encode() for s in stops]), NaiveStops(stops)
+        for _ in range(rng.randint(1, 8)):
+            chunk = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))).encode()
+            hit, pending = ref.feed(chunk)
+            assert m.feed(chunk) == hit, (stops, ref.buf)
+            if hit is not None:
+                break
+            assert m.pending == pending, (stops, ref.buf)
+
+
+def test_stop_strings_at_the_limits_hold_back_a_long_near_miss():
+    """64 stop strings of 512 characters (the limits): a text that is all along a prefix of
+    one of them is held back, then streamed whole when the generation ends without it."""
+    from specdecode.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    stops = [("x%03d" % i) * (MAX_STOP_CHARS // 4) for i in range(MAX_STOP_STRINGS)]
+    a = TextAssembler(stops)
+    text = ("x%03d" % 7) * 120  # 480 characters: a prefix of stop string 7 all along
+    for i in range(0, len(text), 4):
+        delta, stopped = a.add([text[i:i + 4].encode()])
+        assert not stopped and delta == ""
+    assert a.finish() == text and a.text == text
+    b = TextAssembler(stops)
+    assert b.add([stops[63].encode()]) == ("", True)

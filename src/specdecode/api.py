@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Iterator, Sequence
 
 from .assembly import registry
@@ -21,7 +22,7 @@ from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine
 from .errors import SpecDecodeError
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, \
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, check_text, \
     check_parallel
 from .assembly.loading import load_backend, make_controller, make_drafter
 from .messages import check_messages
@@ -50,6 +51,14 @@ class Decoder:
     parallel: slots for concurrent generations (continuous batching, llama.cpp backend):
         :meth:`begin` / :meth:`step` / :meth:`end` run several at once in shared forwards;
         :meth:`stream` runs one (1..MAX_PARALLEL; the torch backend serves 1).
+
+    Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
+    around each tokenization, begin, step and end), so generations from several threads
+    proceed step by step in turn, each in its own slot. A thread that needs a slot while
+    every slot is held by another thread's generation waits for one to end; a thread whose
+    own unfinished generations hold every slot (e.g. a stream it has not exhausted or
+    closed: a stream holds its slot until then) gets a SpecDecodeError instead, since waiting
+    would never end. After :meth:`close` every call raises SpecDecodeError.
 
     Raises SpecDecodeError (and subclasses: ModelFileError, IncompatibleVocabularyError)
     with a message naming the values.
@@ -95,11 +104,24 @@ class Decoder:
         except BaseException:
             self.target.close()
             raise
+        self._lock = threading.Condition(threading.RLock())
+        self._closed = False
+        self._owners: dict[Generation, int] = {}  # running generation -> the thread that began it
 
     def close(self) -> None:
-        """Free the draft models and the target."""
+        """Free the draft models and the target (waits for a step running in another thread;
+        idempotent). Later calls raise SpecDecodeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock.notify_all()
         self.drafter.close()
         self.target.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SpecDecodeError("this Decoder is closed: make a new Decoder to generate again")
 
     def __enter__(self) -> "Decoder":
         return self
@@ -113,12 +135,18 @@ class Decoder:
         Raises SpecDecodeError naming the field at fault (see :func:`check_messages`)."""
         if (prompt is None) == (messages is None):
             raise SpecDecodeError("give exactly one of prompt or messages")
+        with self._lock:
+            return self._prompt_ids(prompt, messages)
+
+    def _prompt_ids(self, prompt: str | None, messages: Sequence[dict] | None) -> list[int]:
+        self._check_open()
         if messages is not None:
-            text = self.target.apply_chat_template(check_messages(list(messages)))
+            text = self.target.apply_chat_template(check_messages(list(messages) if isinstance(messages, tuple)
+                                                                  else messages))
             return self.target.tokenize(text, add_special=False, parse_special=True)
         if not isinstance(prompt, str):
             raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-        return self.target.tokenize(prompt, add_special=True, parse_special=True)
+        return self.target.tokenize(check_text(prompt, "prompt"), add_special=True, parse_special=True)
 
     def generate(self, prompt: str | None = None, *, stream: bool = False, **options) -> GenerationResult | Iterator[str]:
         """Generate from a prompt or chat messages (``messages=``); options as :meth:`stream`.
@@ -157,7 +185,21 @@ class Decoder:
         Raises SpecDecodeError (with the values) for bad options or prompts that do not fit.
         """
         ids, options = self._request(prompt, messages, prompt_ids, options, fields)
-        return self.engine.stream(ids, options)
+        return self._stream(ids, options)
+
+    def _stream(self, ids: list[int], options: GenerationOptions) -> Iterator[str | GenerationResult]:
+        gen = self.begin(prompt_ids=ids, options=options)
+        ended = False
+        try:
+            while not gen.done:
+                delta = self.step([gen])[0]
+                if delta or delta.token_ids:
+                    yield delta
+            ended = True
+            yield from self.end(gen)
+        finally:
+            if not ended and not self._closed:
+                self.end(gen)
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
               prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,
@@ -169,15 +211,39 @@ class Decoder:
         Raises SpecDecodeError for bad options, a prompt that does not fit, or no free slot.
         """
         ids, options = self._request(prompt, messages, prompt_ids, options, fields)
-        return self.engine.begin(ids, options)
+        me = threading.get_ident()
+        with self._lock:
+            self._check_open()
+            while not self.engine.free_slots():
+                mine = sum(1 for owner in self._owners.values() if owner == me)
+                if mine:
+                    raise SpecDecodeError(
+                        f"no free slot among {len(self.engine.slots)}: {mine} unfinished generation(s) of this "
+                        f"thread hold them (a stream holds its slot until it is exhausted or closed; end "
+                        f"generations begun with begin() with end(), or use a Decoder with parallel > 1)",
+                        param="parallel")
+                self._lock.wait()
+                self._check_open()
+            gen = self.engine.begin(ids, options)
+            self._owners[gen] = me
+            return gen
 
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
         """One batched step of the running generations (see :meth:`begin`); their deltas."""
-        return self.engine.step(gens)
+        with self._lock:
+            self._check_open()
+            return self.engine.step(gens)
 
     def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
         """Finish a generation (done or abandoned) and free its slot: [last delta,] result."""
-        return self.engine.end(gen)
+        with self._lock:
+            self._check_open()
+            try:
+                return self.engine.end(gen)
+            finally:
+                if gen.slot.gen is None:
+                    self._owners.pop(gen, None)
+                    self._lock.notify_all()
 
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
         options = GenerationOptions.from_kwargs(options, **fields)
@@ -194,6 +260,7 @@ class Decoder:
         report of :func:`specdecode.parity.parity_report`.
         """
         kwargs.pop("plain", None)
+        self._check_open()
         self.engine.forget_prefix()
         spec = self.generate(prompt, plain=False, record_top2_gaps=True, **kwargs)
         self.engine.forget_prefix()  # the baseline prefills too, as it would alone

@@ -19,7 +19,7 @@ from .bench.cli import add_bench_parser, add_bench_serve_parser
 from .heads.cli import add_heads_parser
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs
+from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs, check_text
 from .messages import check_messages
 from .options import add_model_options, add_sampling_options, check_model_args, sampling_from_args, sampling_kwargs
 from .server.cli import add_serve_parser
@@ -70,17 +70,18 @@ def _colour_tokens(dec, result) -> str:
 def read_input(path: str, option: str) -> str:
     """The text of a file, or of standard input for "-" (as llama.cpp's -f). Raises
     SpecDecodeError naming the option and the file when it cannot be read."""
-    if path == "-":
-        return sys.stdin.read()
     p = Path(path).expanduser()
     try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
         return p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecDecodeError(f"{option} {path}: no such file", param=option) from None
     except IsADirectoryError:
         raise SpecDecodeError(f"{option} {path}: is a folder, expected a file", param=option) from None
     except UnicodeDecodeError as e:
-        raise SpecDecodeError(f"{option} {path}: not UTF-8 text ({e.reason} at byte {e.start})", param=option) from None
+        where = "standard input" if path == "-" else path
+        raise SpecDecodeError(f"{option} {where}: not UTF-8 text ({e.reason} at byte {e.start})", param=option) from None
     except OSError as e:
         raise SpecDecodeError(f"{option} {path}: cannot be read: {e.strerror}", param=option) from None
 
@@ -140,6 +141,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_logprobs(args.logprobs, "--logprobs")
     sampling_from_args(args)
     check_model_args(args)
+    for option in ("prompt", "chat", "system", "regex"):
+        if getattr(args, option) is not None:
+            check_text(getattr(args, option), f"--{option}")
+    for i, stop in enumerate(args.stop or ()):
+        check_text(stop, f"--stop ({i + 1})")
     prompt, messages = prompt_from_args(args)
     gen_kwargs = dict(messages=messages, max_tokens=args.max_tokens, stop=args.stop or None, logprobs=args.logprobs,
                       grammar=grammar_from_args(args), **sampling_kwargs(args))

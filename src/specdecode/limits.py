@@ -37,12 +37,18 @@ MAX_N = 8
 # MAX_PARALLEL generations drafting MAX_NUM_SPECULATIVE_TOKENS each stays within one
 # llama_decode call of 512 tokens.
 MAX_PARALLEL = 15
+# Stop strings per generation, and characters per stop string. OpenAI allows 4; these are
+# generous, and bound what a request can ask of the matcher (an automaton of at most
+# MAX_STOP_STRINGS * MAX_STOP_CHARS * 4 bytes of states, built once per generation).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
 
 BACKENDS = ("auto", "llama.cpp", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 
 DEFAULT_N_CTX = 4096
+MIN_N_CTX = 16  # the smallest context window a backend accepts, in tokens
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_DTYPE = "float32"
 DEFAULT_DEVICE = "cpu"
@@ -93,3 +99,19 @@ def check_choice(value: object, choices: tuple[str, ...], name: str) -> str:
     if value not in choices:
         raise SpecDecodeError(f"{name} {value!r} is not one of {', '.join(choices)}", param=name)
     return value  # type: ignore[return-value]
+
+
+def check_text(value: str, name: str) -> str:
+    """A string that encodes to UTF-8: no lone surrogate (as a JSON "\\ud800" escape, or
+    the bytes of a command line or standard input that were not UTF-8, which Python keeps
+    as surrogates). Raises SpecDecodeError (param ``name``) naming the first bad character."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        if 0xDC80 <= ord(bad) <= 0xDCFF:  # a byte that was not UTF-8, kept by surrogateescape
+            what = f"byte 0x{ord(bad) - 0xDC00:02x} is not UTF-8"
+        else:
+            what = f"a lone surrogate U+{ord(bad):04X} is not a character"
+        raise SpecDecodeError(f"{name} is not valid text: {what} (at character {e.start})", param=name) from None
+    return value

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from .errors import SpecDecodeError
+from .limits import check_text
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -57,5 +58,5 @@ def check_messages(value: Any, name: str = "messages") -> list[dict]:
         if not isinstance(content, str):
             raise SpecDecodeError(f"{where}.content must be a string or a list of text parts, got "
                                   f"{json_repr(content)}", param=f"{where}.content")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": check_text(content, f"{where}.content")})
     return out

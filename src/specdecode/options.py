@@ -16,7 +16,7 @@ from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
 from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEVICES, DTYPES,
-                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, check_num_speculative_tokens, check_parallel)
+                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel)
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -111,8 +111,9 @@ def check_model_args(args: argparse.Namespace) -> None:
     """Range checks that need no model (K, context size, threads); SpecDecodeError names the option."""
     if hasattr(args, "num_speculative_tokens"):
         check_num_speculative_tokens(args.num_speculative_tokens, "--num-speculative-tokens")
-    if args.ctx_size < 2:
-        raise SpecDecodeError(f"--ctx-size {args.ctx_size} is out of range: expected >= 2", param="--ctx-size")
+    if args.ctx_size < MIN_N_CTX:
+        raise SpecDecodeError(f"--ctx-size {args.ctx_size} is out of range: expected >= {MIN_N_CTX}",
+                              param="--ctx-size")
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
     check_parallel(vars(args).get("parallel", 1), "--parallel")

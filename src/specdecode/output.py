@@ -144,6 +144,7 @@ class OutputAccumulator:
         self.started = time.perf_counter() if started is None else started
         self.decode_started = self.started
         self.stats = Stats(prompt_tokens=len(prompt_ids))
+        self._step_eog = 0  # 1 when the current step's tokens ended at an end-of-generation token
         self.emitted: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.gaps: list[float] | None = [] if record_top2_gaps else None
@@ -162,10 +163,12 @@ class OutputAccumulator:
         """The tokens of a step that may be committed: up to (not including) the first
         end-of-generation token, and at most ``remaining``. Sets finish_reason "stop" at an
         end-of-generation token."""
+        self._step_eog = 0
         for j, tok in enumerate(new):
             if tok in self.eog_ids:
-                self.finish_reason = "stop"
-                self.stats.eog_committed = 1
+                if j < self.remaining:  # else max_tokens ends the output before it
+                    self.finish_reason = "stop"
+                    self.stats.eog_committed = self._step_eog = 1
                 new = new[:j]
                 break
         return new[: self.remaining]
@@ -175,8 +178,12 @@ class OutputAccumulator:
         accepted drafts, then the target's own); logits: [k+1, V] the target's raw logits
         at the step's positions. Returns the text delta that is safe to stream ("" if
         none), with the tokens it completes (see :class:`TextDelta`)."""
-        n_acc = min(num_accepted, len(new))
-        self.stats.record_step(k, n_acc)
+        # An end-of-generation token that was an accepted draft is accepted, though not
+        # emitted; drafts after it are not counted at all (nothing after the end is).
+        eog_drafted = bool(self._step_eog) and num_accepted > len(new)
+        n_acc = len(new) + 1 if eog_drafted else min(num_accepted, len(new))
+        self.stats.record_step(n_acc if eog_drafted else k, n_acc, len(new) + self._step_eog)
+        self._step_eog = 0
         pieces = [self.token_bytes(t) for t in new]
         delta, stopped = self._text.add(pieces)
         if new and not self.emitted:

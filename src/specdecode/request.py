@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import DEFAULT_MAX_TOKENS, check_logprobs, check_num_speculative_tokens, is_int
+from .limits import (DEFAULT_MAX_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, check_logprobs, check_num_speculative_tokens,
+                     check_text, is_int)
 from .sampling import SamplingParams
 
 
@@ -61,7 +62,15 @@ class GenerationOptions:
             raise SpecDecodeError(f"stop must be a string or a list of strings, got {type(stop).__name__} "
                                   f"{stop!r}", param="stop")
         if any(not isinstance(s, str) or not s for s in stop):
-            raise SpecDecodeError(f"stop strings must be non-empty strings, got {list(stop)!r}", param="stop")
+            raise SpecDecodeError(f"stop strings must be non-empty strings, got {list(stop)[:8]!r}", param="stop")
+        for i, s in enumerate(stop):
+            check_text(s, f"stop[{i}]")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SpecDecodeError(f"{len(stop)} stop strings is too many: at most {MAX_STOP_STRINGS}", param="stop")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise SpecDecodeError(f"a stop string of {longest} characters is too long: at most {MAX_STOP_CHARS}",
+                                  param="stop")
         object.__setattr__(self, "stop", stop)
         check_logprobs(self.logprobs)
         if self.grammar is not None and not isinstance(self.grammar, Grammar):

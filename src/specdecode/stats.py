@@ -34,6 +34,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     target_forward_passes: int = 0
+    committed_tokens: int = 0  # tokens committed by decode steps (see mean_accepted_length)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     k_histogram: Counter = field(default_factory=Counter)
@@ -52,18 +53,20 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per target forward pass (plain decoding = 1.0); an end-of-generation
-        token counts as committed though it is not emitted."""
-        committed = self.completion_tokens + self.eog_committed
-        return committed / self.target_forward_passes if self.target_forward_passes else 0.0
+        """Tokens committed per target forward pass (plain decoding = 1.0): what the target's
+        verification kept each step, an end-of-generation token and tokens a stop string later
+        cuts off included (they were committed; the output just ends before them)."""
+        return self.committed_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
         return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
-    def record_step(self, k: int, num_accepted: int) -> None:
-        """Count one decode step that drafted k tokens of which num_accepted were kept."""
+    def record_step(self, k: int, num_accepted: int, committed: int) -> None:
+        """Count one decode step that drafted k tokens of which num_accepted were kept, and
+        committed tokens in all (accepted drafts, the target's own, an end-of-generation token)."""
         self.target_forward_passes += 1
+        self.committed_tokens += committed
         self.k_histogram[k] += 1
         self.drafted += k
         self.accepted += num_accepted

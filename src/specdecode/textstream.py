@@ -11,10 +11,16 @@ The engine feeds the bytes of each newly committed token. The assembler
   byte is dropped).
 
 Deltas concatenate exactly to :attr:`TextAssembler.text` at the end.
+
+Stop strings are matched by an Aho-Corasick automaton over their bytes (Aho, Corasick,
+"Efficient string matching", CACM 1975), fed each new byte once: the cost per generated
+byte does not grow with the number of stop strings, and the automaton's state is also the
+longest suffix of the text that could still become a stop string (what is held back).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 
@@ -40,6 +46,69 @@ def _utf8_safe_end(buf: bytes | bytearray, start: int, end: int) -> int:
     return end if end - i >= need else i
 
 
+class StopMatcher:
+    """Aho-Corasick automaton over stop strings (bytes, non-empty).
+
+    :meth:`feed` reads bytes and returns the earliest start offset of a stop string that
+    ends within them (None if none); :attr:`pending` is the length of the longest suffix of
+    everything fed that is a prefix of some stop string.
+    """
+
+    def __init__(self, stops: Sequence[bytes]) -> None:
+        self._goto: list[dict[int, int]] = [{}]
+        self._depth = [0]
+        terminal = [False]
+        for s in stops:
+            state = 0
+            for b in s:
+                nxt = self._goto[state].get(b)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[state][b] = nxt
+                    self._goto.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    terminal.append(False)
+                state = nxt
+            terminal[state] = True
+        # fail[s]: the state of the longest proper suffix of s's string that is in the trie;
+        # match[s]: the deepest terminal state on s's fail chain (itself included), or -1.
+        self._fail = [0] * len(self._goto)
+        self._match = [0 if terminal[0] else -1] + [-1] * (len(self._goto) - 1)
+        queue = deque(self._goto[0].values())
+        for child in queue:
+            self._match[child] = child if terminal[child] else -1
+        while queue:
+            state = queue.popleft()
+            for b, child in self._goto[state].items():
+                f = self._fail[state]
+                while f and b not in self._goto[f]:
+                    f = self._fail[f]
+                self._fail[child] = self._goto[f].get(b, 0) if self._goto[f].get(b, 0) != child else 0
+                self._match[child] = child if terminal[child] else self._match[self._fail[child]]
+                queue.append(child)
+        self._state = 0
+        self._fed = 0
+
+    @property
+    def pending(self) -> int:
+        return self._depth[self._state]
+
+    def feed(self, data: bytes | bytearray) -> int | None:
+        goto, fail, match, depth = self._goto, self._fail, self._match, self._depth
+        state, earliest = self._state, None
+        for i, b in enumerate(data):
+            while state and b not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(b, 0)
+            m = match[state]
+            if m >= 0:
+                start = self._fed + i + 1 - depth[m]
+                earliest = start if earliest is None else min(earliest, start)
+        self._state = state
+        self._fed += len(data)
+        return earliest
+
+
 class TextAssembler:
     """Accumulates committed token bytes and yields safe-to-stream text deltas.
 
@@ -48,12 +117,11 @@ class TextAssembler:
     """
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
-        self._stops = [s.encode("utf-8") for s in stop if s]
-        self._max_stop = max((len(s) for s in self._stops), default=0)
+        stops = [s.encode("utf-8") for s in stop if s]
+        self._matcher = StopMatcher(stops) if stops else None
         self._buf = bytearray()
         self._token_starts: list[int] = []  # byte offset where each token's bytes start
         self._emitted = 0  # bytes already streamed
-        self._scanned = 0  # stop strings cannot start before this offset - (max_stop - 1)
         self._cut: int | None = None  # byte offset of the stop string found
         self._deltas: list[str] = []
         self.stopped = False
@@ -78,33 +146,23 @@ class TextAssembler:
         """
         if self.stopped:
             raise RuntimeError("TextAssembler already stopped")
+        start = len(self._buf)
         for piece in pieces:
             self._token_starts.append(len(self._buf))
             self._buf += piece
-        if self._stops:
-            search_from = max(0, self._scanned - self._max_stop + 1)
-            hits = [i for i in (self._buf.find(s, search_from) for s in self._stops) if i >= 0]
-            self._scanned = len(self._buf)
-            if hits:
-                self._cut = min(hits)
-                self.stopped = True
-                return self._flush(self._cut, final=True), True
-        return self._flush(len(self._buf) - self._holdback(), final=False), False
+        if self._matcher is None:
+            return self._flush(len(self._buf), final=False), False
+        hit = self._matcher.feed(memoryview(self._buf)[start:])
+        if hit is not None:
+            self._cut = hit
+            self.stopped = True
+            return self._flush(self._cut, final=True), True
+        return self._flush(len(self._buf) - self._matcher.pending, final=False), False
 
     def finish(self) -> str:
         """End of generation without a stop string: the rest of the text."""
         end = len(self._buf) if self._cut is None else self._cut
         return self._flush(end, final=True)
-
-    def _holdback(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self._stops:
-            for n in range(min(len(s) - 1, len(self._buf)), best, -1):
-                if self._buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
     def _flush(self, end: int, final: bool) -> str:
         end = max(end, self._emitted)

@@ -20,6 +20,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
+from ..limits import MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
@@ -156,8 +157,8 @@ class LlamaCppBackend(BackendBase):
         self._lib = llama_cpp
         self.path = Path(path)
         self.name = name or self.path.name
-        if n_ctx < 16:
-            raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 16")
+        if n_ctx < MIN_N_CTX:
+            raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= {MIN_N_CTX}", param="n_ctx")
         n_threads = default_threads() if n_threads is None else n_threads
         if n_threads < 1:
             raise SpecDecodeError(f"n_threads = {n_threads} is out of range: expected n_threads >= 1")
@@ -203,7 +204,8 @@ class LlamaCppBackend(BackendBase):
             raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}{_last_error()}")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
-        self._n_ctx = int(llama_cpp.llama_n_ctx(ctx)) // n_seq
+        # llama.cpp rounds the context up (to a multiple of 256): the limit is the one asked for.
+        self._n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(ctx)) // n_seq)
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
         self._seq_lens = [0] * n_seq
         self.n_threads = n_threads
@@ -221,7 +223,8 @@ class LlamaCppBackend(BackendBase):
         return t if t >= 0 else None
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
+        self._require_open()
+        data = check_text(text, "the text to tokenize").encode("utf-8")
         n_max = len(data) + 8
         buf = (self._lib.llama_token * n_max)()
         n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
@@ -314,6 +317,7 @@ class LlamaCppBackend(BackendBase):
         every token of a llama_decode: only a call of at most the output buffer's rows
         (min(n_batch, 64 n_seq)) may have them, so a longer chunk (a long prefill) gives no
         hidden rows. Raises as forward_batch."""
+        self._require_open()
         seqs = [int(it[0]) for it in items]
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a batched forward takes each sequence once, got {seqs}")
@@ -400,10 +404,16 @@ class LlamaCppBackend(BackendBase):
 
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop sequence seq's cached positions >= n (llama_memory_seq_rm over [n, end))."""
+        self._require_open()
         if self._check_rollback(n, seq):
             if not self._lib.llama_memory_seq_rm(self._mem, seq, n, -1):
                 raise SpecDecodeError(f"{self.name}: llama.cpp cannot roll back this model's cache to {n}")
             self._seq_lens[seq] = n
+
+    def _require_open(self) -> None:
+        """llama.cpp aborts the process on a freed context: refuse with an error instead."""
+        if getattr(self, "_ctx", None) is None:
+            raise SpecDecodeError(f"the model {self.name} is closed: load it again to use it")
 
     def close(self) -> None:
         lib = getattr(self, "_lib", None)

@@ -121,9 +121,13 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
     A size beyond one sequence's block (MAX_NUM_SPECULATIVE_TOKENS + 1 tokens) is what a
     batched step of several generations forwards: on a backend of several sequences it is
     measured as blocks of that size on as many sequences, each after the same context.
-    The backend's caches are restored to empty afterwards.
+    The backend's caches are restored to empty afterwards. A small context window (a few
+    dozen tokens) shortens the context and measures only the sizes that fit in it (a step
+    can never verify more); the curve extrapolates beyond them.
     """
     block = MAX_NUM_SPECULATIVE_TOKENS + 1
+    context = max(0, min(context, backend.n_ctx - 1 - min(max(ns), block)))
+    ns = [n for n in ns if min(n, block) <= backend.n_ctx - 1 - context] or [1]
     vocab = backend.n_vocab
     rng = np.random.default_rng(0)
     base = [int(t) for t in rng.integers(100, min(vocab, 30000), size=context)]
@@ -207,7 +211,9 @@ def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, r
         except (ValueError, KeyError, TypeError):
             pass
     curve = measure_forward_curve(backend, ns)
-    write_text_atomic(path, json.dumps({**curve.to_dict(), "model": backend.name, "key": key, "measured_at": time.time()}))
+    if tuple(curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
+        write_text_atomic(path, json.dumps({**curve.to_dict(), "model": backend.name, "key": key,
+                                            "measured_at": time.time()}))
     return curve
 
 
