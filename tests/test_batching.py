@@ -169,7 +169,7 @@ def test_sampling_in_a_batch_keeps_the_target_distribution():
         while any(not g.done for g in gens):
             engine.step([g for g in gens if not g.done])
         ids = [engine.end(g)[-1].token_ids for g in gens][0]
-        key = (ids[0], ids[1] if len(ids) > 1 else None)
+        key = (ids[0], ids[1] if len(ids) > 1 else None) if ids else (0, None)  # [] : the end came first
         counts[key] = counts.get(key, 0) + 1
     keys = [k for k in joint if joint[k] * trials >= 5]
     rest = 1.0 - sum(joint[k] for k in keys)

@@ -149,7 +149,7 @@ class TableDrafter(DrafterBase):
         for i in range(k):
             raw = self.table[min(len(context) - 1 + i, len(self.table) - 1)]
             q = self.sampler.probs(self.sampler.constrain(raw, drafts), ())
-            tok = self.sampler.sample(q)
+            tok = self.sampler.draw(q, len(context) + i)
             rows.append(self.sampler.probs(raw, ()) if self.mislabel else q)
             drafts.append(tok)
             if tok == 0:
@@ -175,13 +175,13 @@ def masked_joint(target: np.ndarray) -> dict[tuple[int, int], float]:
     return {(i, j): first[i] * second[j] for i in range(V) for j in range(V) if first[i] * second[j] > 0}
 
 
-def sample_pairs(engine: SpeculativeEngine, n: int = TRIALS) -> tuple[dict, int]:
+def sample_pairs(engine: SpeculativeEngine, n: int = TRIALS, rule: str = "gumbel") -> tuple[dict, int]:
     counts: dict[tuple[int, int], int] = {}
     invalid = 0
     grammar = Grammar("regex", REGEX)
     for seed in range(n):
         try:
-            r = engine.generate([ID["a"]], sampling=SamplingParams(temperature=1.0, seed=seed),
+            r = engine.generate([ID["a"]], sampling=SamplingParams(temperature=1.0, seed=seed, sampling_rule=rule),
                                           max_tokens=2, grammar=grammar)
         except SpecDecodeError:  # a committed token left the grammar
             invalid += 1
@@ -208,9 +208,10 @@ def case():
     return target, draft, masked_joint(target)
 
 
-def test_constrained_speculative_sampling_is_distributed_as_the_masked_target(case):
+@pytest.mark.parametrize("rule", ["gumbel", "rejection"])
+def test_constrained_speculative_sampling_is_distributed_as_the_masked_target(case, rule):
     target, draft, expected = case
-    counts, invalid = sample_pairs(SpeculativeEngine(TableTarget(target), TableDrafter(draft), 2))
+    counts, invalid = sample_pairs(SpeculativeEngine(TableTarget(target), TableDrafter(draft), 2), rule=rule)
     assert invalid == 0
     assert chi_square_p(counts, expected, TRIALS) > 1e-3
 
@@ -224,7 +225,7 @@ def test_negative_control_target_left_unmasked_fails(case, monkeypatch):
         from specdecode.verify import verify_speculative_sampling
 
         probs = np.stack([gen.sampler.probs(logits[i], ()) for i in range(len(draft_ids) + 1)])
-        return verify_speculative_sampling(draft_ids, draft_probs, probs, gen.sampler.rng)
+        return verify_speculative_sampling(draft_ids, draft_probs, probs, gen.sampler.rng), None
 
     monkeypatch.setattr(SpeculativeEngine, "_verify", staticmethod(verify_unmasked))
     counts, invalid = sample_pairs(SpeculativeEngine(TableTarget(target), TableDrafter(draft), 2), 3000)
@@ -233,7 +234,10 @@ def test_negative_control_target_left_unmasked_fails(case, monkeypatch):
 
 def test_negative_control_masked_draft_reporting_unmasked_probabilities_fails(case):
     target, draft, expected = case
-    counts, invalid = sample_pairs(SpeculativeEngine(TableTarget(target), TableDrafter(draft, mislabel=True), 2))
+    # The rejection rule reads the draft's probabilities (the "gumbel" rule does not: there
+    # the target's token is a function of its own distribution and the noise alone).
+    counts, invalid = sample_pairs(SpeculativeEngine(TableTarget(target), TableDrafter(draft, mislabel=True), 2),
+                                   rule="rejection")
     assert invalid == 0  # every output is in the grammar: only its distribution is wrong
     assert chi_square_p(counts, expected, TRIALS) < 1e-6
 

@@ -349,25 +349,38 @@ def test_argmax_with_presence_penalty_and_window():
     assert s.argmax(logits, [0, 2]) == 0  # token 0 fell out of the 1-token window
 
 
-def test_sample_seed_reproducible():
+@pytest.mark.parametrize("rule", ["gumbel", "rejection"])
+def test_draws_are_reproducible_for_a_seed(rule):
     probs = np.array([0.1, 0.2, 0.3, 0.25, 0.15])
-    a = Sampler(SamplingParams(temperature=1.0, seed=1234))
-    b = Sampler(SamplingParams(temperature=1.0, seed=1234))
-    c = Sampler(SamplingParams(temperature=1.0, seed=4321))
-    xa = [a.sample(probs) for _ in range(300)]
-    xb = [b.sample(probs) for _ in range(300)]
-    xc = [c.sample(probs) for _ in range(300)]
+    a, b, c = (Sampler(SamplingParams(temperature=1.0, seed=seed, sampling_rule=rule)) for seed in (1234, 1234, 4321))
+    xa = [a.draw(probs, i) for i in range(300)]
+    xb = [b.draw(probs, i) for i in range(300)]
+    xc = [c.draw(probs, i) for i in range(300)]
     assert xa == xb
     assert xa != xc
     assert set(xa) == {0, 1, 2, 3, 4}
     assert all(type(x) is int for x in xa)
 
 
-def test_sample_respects_distribution():
-    s = Sampler(SamplingParams(temperature=1.0, seed=7))
-    assert {s.sample(np.array([0.0, 0.0, 1.0, 0.0])) for _ in range(50)} == {2}
+def test_a_keyed_draw_depends_on_its_position_only():
+    """The "gumbel" rule: the token at a position is the same however often, in whatever
+    order, and after whatever other draws it is asked for."""
+    probs = np.array([0.1, 0.2, 0.3, 0.25, 0.15])
+    a = Sampler(SamplingParams(temperature=1.0, seed=5), prompt_len=10)
+    b = Sampler(SamplingParams(temperature=1.0, seed=5), prompt_len=10)
+    forward = [a.draw(probs, 10 + i) for i in range(200)]
+    backward = [b.draw(probs, 10 + i) for i in reversed(range(200))][::-1]
+    assert forward == backward == [a.draw(probs, 10 + i) for i in range(200)]
+    c = Sampler(SamplingParams(temperature=1.0, seed=5), prompt_len=3)  # keyed by the position in the output
+    assert [c.draw(probs, 3 + i) for i in range(200)] == forward
+
+
+@pytest.mark.parametrize("rule", ["gumbel", "rejection"])
+def test_draws_respect_the_distribution(rule):
+    s = Sampler(SamplingParams(temperature=1.0, seed=7, sampling_rule=rule))
+    assert {s.draw(np.array([0.0, 0.0, 1.0, 0.0]), i) for i in range(50)} == {2}
     probs = np.array([0.0, 0.7, 0.0, 0.3, 0.0])
-    draws = np.array([s.sample(probs) for _ in range(5000)])
+    draws = np.array([s.draw(probs, i) for i in range(5000)])
     assert set(draws.tolist()) == {1, 3}
     assert 3300 < (draws == 1).sum() < 3700
 

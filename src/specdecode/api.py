@@ -27,7 +27,7 @@ from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, che
 from .assembly.loading import load_backend, make_controller, make_drafter
 from .messages import check_messages
 from .output import GenerationResult, TextDelta
-from .parity import parity_report
+from .parity import NEAR_TIE_GAP, parity_report
 from .request import GenerationOptions
 
 
@@ -269,10 +269,17 @@ class Decoder:
             "speedup": round(spec.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s, 3)
             if base.stats.decode_tokens_per_s > 0 else None,
         }
-        if kwargs.get("temperature", 0.0) == 0.0:
+        given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options")}
+        sampling = GenerationOptions.from_kwargs(kwargs.get("options"), **given).sampling
+        if sampling.greedy:
             report["parity"] = parity_report(spec, base)
+        elif sampling.sampling_rule == "gumbel" and sampling.seed is not None:
+            # The same seed gives the same tokens; gaps are of the noisy log-probabilities,
+            # so the logit bound of batched numerics scales by 1 / temperature.
+            report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
         else:
-            report["parity"] = {"status": "not applicable: sampling (temperature > 0) compares distributions, not tokens"}
+            report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "
+                                          "compares distributions, not tokens"}
         return spec, base, report
 
 

@@ -39,10 +39,10 @@ from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
 from .limits import check_num_speculative_tokens
-from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob
+from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob, top2_gap
 from .request import GenerationOptions
 from .sampling import Sampler
-from .verify import VerifyResult, committed_tokens, verify_greedy, verify_speculative_sampling
+from .verify import VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
 
@@ -173,7 +173,8 @@ class SpeculativeEngine:
         started = time.perf_counter()
         where = self._choose_slot(prompt_ids, slot)
         grammar = options.grammar
-        sampler = Sampler(options.sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None)
+        sampler = Sampler(options.sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None,
+                          prompt_len=len(prompt_ids))
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, options.max_tokens,
                                 options.stop, options.logprobs, options.record_top2_gaps, started)
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids))
@@ -227,13 +228,13 @@ class SpeculativeEngine:
         for gen in gens:
             if gen.slot.seq in hidden:
                 gen.drafter.observe_hidden(*hidden[gen.slot.seq])
-        results = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
+        verified = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
         t2 = time.perf_counter()
         observe_verification(gens[0].drafter, sum(len(ids) + 1 for ids, _ in blocks), t2 - t1)
         deltas = []
-        for gen, (ids, _), lg, result in zip(gens, blocks, logits, results):
+        for gen, (ids, _), lg, result in zip(gens, blocks, logits, verified):
             gen.out.stats.verify_s += t2 - t1
-            deltas.append(self._commit(gen, ids, result, lg))
+            deltas.append(self._commit(gen, ids, *result, lg))
         return deltas
 
     def _draft(self, gen: Generation, k: int) -> tuple[list[int], np.ndarray | None]:
@@ -245,7 +246,8 @@ class SpeculativeEngine:
         k = len(draft_ids)
         return draft_ids, draft.probs[:k] if draft.probs is not None else None  # [k, V] or one-hot
 
-    def _commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, logits: np.ndarray) -> TextDelta:
+    def _commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, gaps: list[float] | None,
+                logits: np.ndarray) -> TextDelta:
         """Commit the accepted drafts and the target's token; roll the slot's sequence back
         to the KV invariant; returns the text delta."""
         new = gen.out.cut(committed_tokens(draft_ids, result))
@@ -257,7 +259,7 @@ class SpeculativeEngine:
         slot.cached = committed[:-1]
         assert self.target.seq_len(slot.seq) == len(committed) - 1, "target KV length must be committed length - 1"
         gen.drafter.observe(result.num_accepted)
-        return gen.out.add(new, result.num_accepted, len(draft_ids), logits)
+        return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps)
 
     def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
         """Finish a generation (done, or stopped early: a cancelled request) and free its
@@ -281,10 +283,12 @@ class SpeculativeEngine:
 
     @staticmethod
     def _verify(gen: Generation, draft_ids: list[int], draft_probs: np.ndarray | None,
-                logits: np.ndarray) -> VerifyResult:
-        """The acceptance rule on the target's logits [k+1, V]: greedy match, or speculative
-        sampling on the sampler-shaped target distributions."""
-        sampler, k = gen.sampler, len(draft_ids)
+                logits: np.ndarray) -> tuple[VerifyResult, list[float] | None]:
+        """The acceptance rule on the target's logits [k+1, V]: greedy match; under sampling
+        the target's position-keyed choices ("gumbel" rule) or speculative sampling on the
+        sampler-shaped distributions ("rejection"). Also the top-2 gap of the scores the rule
+        chose each committed token by (when the generation records gaps), else None."""
+        sampler, k, base = gen.sampler, len(draft_ids), len(gen.committed)
         if sampler.constraint is not None:  # position i: the grammar state after drafts[:i]
             logits = np.stack([sampler.constrain(logits[i], draft_ids[:i]) for i in range(k + 1)])
         # Position i is scored after the committed tokens and drafts[:i] (penalties only).
@@ -293,9 +297,15 @@ class SpeculativeEngine:
         else:
             hist = lambda i: ()  # noqa: E731
         if sampler.params.greedy:
-            return verify_greedy(draft_ids, [sampler.argmax(logits[i], hist(i)) for i in range(k + 1)])
-        target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
-        return verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
+            result = verify_greedy(draft_ids, [sampler.argmax(logits[i], hist(i)) for i in range(k + 1)])
+        elif sampler.keyed:
+            result = verify_keyed(draft_ids, lambda i: sampler.draw(sampler.probs(logits[i], hist(i)), base + i))
+        else:
+            target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
+            result = verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
+        if gen.out.gaps is None:
+            return result, None
+        return result, [top2_gap(sampler.scores(logits[i], hist(i), base + i)) for i in range(result.num_accepted + 1)]
 
     def _check(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:

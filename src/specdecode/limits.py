@@ -48,6 +48,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 
 DEFAULT_N_CTX = 4096
+# How a sampled generation verifies drafts. "gumbel": the target's token at each position is
+# the Gumbel-max choice with noise keyed by (seed, position), so a seed fixes the text at any
+# K, with any drafter, alone or in a batch; "rejection": Leviathan et al.'s rejection rule
+# (Algorithm 1), whose random draws depend on K.
+SAMPLING_RULES = ("gumbel", "rejection")
+DEFAULT_SAMPLING_RULE = "gumbel"
 MIN_N_CTX = 16  # the smallest context window a backend accepts, in tokens
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_DTYPE = "float32"

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
-from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEVICES, DTYPES,
+from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
+                     SAMPLING_RULES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel)
 from .sampling import SamplingParams
 
@@ -94,12 +95,19 @@ def add_sampling_options(p: argparse.ArgumentParser, seed: int | None = None) ->
     defaults = SamplingParams()
     for flag, field, kind, help_text in SAMPLING_OPTIONS:
         p.add_argument(flag, type=kind, default=getattr(defaults, field), help=f"{help_text} (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=seed, help="same seed, same output (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=seed,
+                   help="same seed, same output: at any K, with any drafter, alone or in a batch under the "
+                        "default --sampling-rule (default: %(default)s)")
+    p.add_argument("--sampling-rule", choices=SAMPLING_RULES, default=DEFAULT_SAMPLING_RULE,
+                   help="how sampled drafts are verified: 'gumbel', each position's token the Gumbel-max choice "
+                        "under noise keyed by (seed, position), so a seed fixes the text; 'rejection', Leviathan "
+                        "et al.'s rule, whose draws depend on K (default: %(default)s)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """The sampling options as keyword arguments of SamplingParams / Decoder.stream."""
-    return {field: getattr(args, field) for _, field, _, _ in SAMPLING_OPTIONS} | {"seed": args.seed}
+    return {field: getattr(args, field) for _, field, _, _ in SAMPLING_OPTIONS} | {
+        "seed": args.seed, "sampling_rule": args.sampling_rule}
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

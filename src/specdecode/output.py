@@ -173,11 +173,15 @@ class OutputAccumulator:
                 break
         return new[: self.remaining]
 
-    def add(self, new: list[int], num_accepted: int, k: int, logits: np.ndarray) -> TextDelta:
+    def add(self, new: list[int], num_accepted: int, k: int, logits: np.ndarray,
+            gaps: Sequence[float] | None = None) -> TextDelta:
         """Record one step that drafted k tokens and committed new (its first num_accepted
         accepted drafts, then the target's own); logits: [k+1, V] the target's raw logits
-        at the step's positions. Returns the text delta that is safe to stream ("" if
-        none), with the tokens it completes (see :class:`TextDelta`)."""
+        at the step's positions (logprobs are of the raw distribution); gaps: the top-2 gap
+        of the scores the acceptance rule chose each committed token by (penalties, grammar
+        mask, temperature and noise applied; default: of the raw logits). Returns the text
+        delta that is safe to stream ("" if none), with the tokens it completes (see
+        :class:`TextDelta`)."""
         # An end-of-generation token that was an accepted draft is accepted, though not
         # emitted; drafts after it are not counted at all (nothing after the end is).
         eog_drafted = bool(self._step_eog) and num_accepted > len(new)
@@ -196,7 +200,7 @@ class OutputAccumulator:
         self._draft_pos.extend(j if j < n_acc else -1 for j in range(len(new)))
         for j, tok in enumerate(new):
             if self.gaps is not None:
-                self.gaps.append(top2_gap(logits[j]))
+                self.gaps.append(gaps[j] if gaps is not None else top2_gap(logits[j]))
             if self.logprobs is not None:
                 self.logprobs.append(self._logprob(logits[j], tok))
         if stopped:

@@ -117,15 +117,18 @@ def sampling_params(base: SamplingParams | None = None, **fields_: Any) -> Sampl
         want = _SAMPLING_TYPES[name]
         if value is None and name == "seed":
             continue
-        if want is int and not is_int(value) or want is float and not _is_number(value):
-            kind = "an integer" if want is int else "a number"
+        bad = (want is int and not is_int(value) or want is float and not _is_number(value)
+               or want is str and not isinstance(value, str))
+        if bad:
+            kind = {int: "an integer", float: "a number", str: "a string"}[want]
             raise SpecDecodeError(f"{name} = {value!r} is not {kind}", param=name)
     return replace(base or SamplingParams(), **{k: (float(v) if _SAMPLING_TYPES[k] is float else v)
                                                  for k, v in fields_.items()})
 
 
 _SAMPLING_TYPES = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
-                   "frequency_penalty": float, "presence_penalty": float, "penalty_last_n": int, "seed": int}
+                   "frequency_penalty": float, "presence_penalty": float, "penalty_last_n": int, "seed": int,
+                   "sampling_rule": str}
 
 
 def _is_number(value: object) -> bool:

@@ -20,6 +20,9 @@ import numpy as np
 
 from .errors import SpecDecodeError
 from .grammar import GrammarConstraint, apply_mask
+from .limits import DEFAULT_SAMPLING_RULE, SAMPLING_RULES
+
+NOISE_CACHE = 64  # positions whose noise a Sampler keeps (a step verifies at most 33)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,12 @@ class SamplingParams:
     penalty_last_n: how many of the most recent tokens (prompt included) the penalties see;
         -1 means the whole context. As llama.cpp's ``repeat_last_n`` (default 64).
     seed: seed of the random generator; None draws one from the OS.
+    sampling_rule: how drafts are verified under sampling (:data:`specdecode.limits.SAMPLING_RULES`):
+        "gumbel" (default): every position's token is the Gumbel-max choice under noise keyed
+        by (seed, position), so the same seed gives the same text at any K, with any drafter
+        or none, alone or in a batch; "rejection": the rejection rule of Leviathan et al.
+        (Algorithm 1) / Chen et al. (Algorithm 2), which uses a draft model's probabilities
+        and draws from one stream whose use depends on K. Both keep the target's distribution.
 
     Raises SpecDecodeError naming the value when a field is out of range.
     """
@@ -52,6 +61,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
     seed: int | None = None
+    sampling_rule: str = DEFAULT_SAMPLING_RULE
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> SpecDecodeError:
@@ -75,6 +85,9 @@ class SamplingParams:
             raise bad("penalty_last_n", self.penalty_last_n, "expected -1 (whole context) or >= 0")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise bad("seed", self.seed, "expected 0 <= seed < 2**64")
+        if self.sampling_rule not in SAMPLING_RULES:
+            raise SpecDecodeError(f"sampling_rule {self.sampling_rule!r} is not one of {', '.join(SAMPLING_RULES)}",
+                                  param="sampling_rule")
 
     @property
     def greedy(self) -> bool:
@@ -89,20 +102,74 @@ class SamplingParams:
 
 @dataclass
 class Sampler:
-    """Applies :class:`SamplingParams` to logits; owns the seeded random generator.
+    """Applies :class:`SamplingParams` to logits; owns the generation's randomness.
 
-    One Sampler serves one generation: the target's verification and the drafter's
-    sampling draw from the same generator in a fixed order, so the same seed gives the
-    same output. constraint: the generation's grammar (structured output), or None; its
-    mask comes before every other transform, for target and draft alike.
+    One Sampler serves one generation. Its randomness is keyed by position: :meth:`draw`
+    of the token at absolute index i of the sequence (prompt included) under the "gumbel"
+    rule is a function of the distribution and of noise that depends only on (seed, i -
+    prompt_len), never on how many draws came before, so drafts made and discarded consume
+    nothing a later step needs. The "rejection" rule draws from one seeded stream (``rng``)
+    in the order the engine asks. constraint: the generation's grammar (structured output),
+    or None; its mask comes before every other transform, for target and draft alike.
+    prompt_len: tokens of the prompt (output position = index - prompt_len).
     """
 
     params: SamplingParams
     constraint: "GrammarConstraint | None" = None
+    prompt_len: int = 0
     rng: np.random.Generator = field(init=False)
+    seed: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)
+        # A generation without a seed gets one, so that its noise is still keyed by position.
+        self.seed = self.params.seed if self.params.seed is not None else int(np.random.SeedSequence().entropy) % 2**64
+        self.rng = np.random.default_rng(self.seed)
+        self._noise: dict[int, np.ndarray] = {}  # absolute index -> u [V]
+
+    @property
+    def keyed(self) -> bool:
+        """Sampled tokens are Gumbel-max choices under position-keyed noise ("gumbel" rule)."""
+        return not self.params.greedy and self.params.sampling_rule == "gumbel"
+
+    def noise(self, index: int, n_vocab: int) -> np.ndarray:
+        """Uniform draws u [V] in [0, 1) for the token at absolute index ``index``: Philox
+        (a counter-based generator) keyed by (seed, output position); the same at every call.
+        The last NOISE_CACHE positions are kept (target and draft model read the same)."""
+        u = self._noise.get(index)
+        if u is None or len(u) != n_vocab:
+            pos = index - self.prompt_len
+            gen = np.random.Generator(np.random.Philox(key=np.array([self.seed, pos % 2**64], dtype=np.uint64)))
+            u = gen.random(n_vocab)
+            if len(self._noise) >= NOISE_CACHE:
+                self._noise.pop(next(iter(self._noise)))
+            self._noise[index] = u
+        return u
+
+    def draw(self, probs: np.ndarray, index: int) -> int:
+        """The token at absolute index ``index`` drawn from probs [V]: under the "gumbel" rule
+        argmin over p > 0 of E_i / p_i with E_i = -log(1 - u_i) ~ Exp(1) from :meth:`noise`
+        (the exponential race, which is Gumbel-max: argmax log p_i + G_i with G_i = -log E_i;
+        P(i) = p_i exactly); else one draw from the stream ``rng``."""
+        if not self.keyed:
+            return sample_token(probs, self.rng)
+        idx = np.flatnonzero(probs > 0.0)
+        if idx.size == 0:
+            raise ValueError("cannot sample from a distribution with zero mass")
+        race = -np.log1p(-self.noise(index, len(probs))[idx]) / probs[idx]
+        return int(idx[np.argmin(race)])
+
+    def scores(self, logits: np.ndarray, history: Sequence[int], index: int) -> np.ndarray:
+        """What the rule chose the token at ``index`` by, [V] (larger wins): the penalized
+        logits under greedy; under sampling log p_i + G_i, the Gumbel-perturbed log
+        probabilities (-inf where p_i = 0), whose top-2 gap says how close the choice was.
+        logits: [V] after the grammar mask."""
+        if self.params.greedy:
+            return np.asarray(self.penalize(logits, history), dtype=np.float64)
+        probs = self.probs(logits, history)
+        with np.errstate(divide="ignore"):
+            if not self.keyed:
+                return np.log(probs)
+            return np.log(probs) - np.log(-np.log1p(-self.noise(index, len(probs))))
 
     def constrain(self, logits: np.ndarray, pending: Sequence[int] = ()) -> np.ndarray:
         """The grammar mask (structured output), applied first: logits [V] at the position
@@ -163,10 +230,6 @@ class Sampler:
     def argmax(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """Greedy choice at one position: argmax of the penalized logits [V]."""
         return int(np.argmax(self.penalize(logits, history)))
-
-    def sample(self, probs: np.ndarray) -> int:
-        """Draw one token id from probs [V] with this sampler's generator."""
-        return sample_token(probs, self.rng)
 
 
 def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:

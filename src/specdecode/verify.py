@@ -16,7 +16,7 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -119,3 +119,25 @@ def verify_speculative_sampling(
             residual = np.asarray(target_probs[i], dtype=np.float64)
         return VerifyResult(num_accepted=i, next_token=sample_token(residual, rng), is_bonus=False)
     return VerifyResult(num_accepted=k, next_token=sample_token(target_probs[k], rng), is_bonus=True)
+
+
+def verify_keyed(draft_ids: Sequence[int], target_token: Callable[[int], int]) -> VerifyResult:
+    """Verification when the target's token at each position is a function of its
+    distribution and that position's noise alone (the "gumbel" rule,
+    :meth:`specdecode.sampling.Sampler.draw`): accept drafts while each equals the target's
+    token there; the first that does not is replaced by the target's (recovered), and when
+    all K match the target's token at position K is the bonus. The committed tokens are then
+    exactly what plain decoding with the same seed produces, so the output has the target's
+    distribution whatever drafted them, and a deterministic draft is accepted with the target's
+    probability of it, as under the rejection rule (Leviathan et al. 2023, Algorithm 1, with a
+    one-hot draft distribution).
+
+    draft_ids: [K]. target_token(i): the target's token at block position i (0..K), called
+    lazily in order, so that positions after the first mismatch cost nothing.
+    """
+    for i, draft in enumerate(draft_ids):
+        tok = target_token(i)
+        if tok != draft:
+            return VerifyResult(num_accepted=i, next_token=tok, is_bonus=False)
+    k = len(draft_ids)
+    return VerifyResult(num_accepted=k, next_token=target_token(k), is_bonus=True)

@@ -236,7 +236,7 @@ class HeadsDrafter(HiddenStateDrafter):
                 tok = sampler.argmax(row, history)
             else:
                 q = sampler.probs(row, history)
-                tok = sampler.sample(q)
+                tok = sampler.draw(q, len(context) + i)
                 rows.append(q)
             drafts.append(tok)
             if sampler.params.has_penalties:

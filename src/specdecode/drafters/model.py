@@ -148,7 +148,7 @@ class ModelDrafter(IncrementalDrafter):
                     p_cum *= float(1.0 / np.exp(z).sum())
             else:
                 q = sampler.probs(logits, history)
-                tok = sampler.sample(q)
+                tok = sampler.draw(q, len(context) + i)
                 rows.append(q)
                 p_cum *= float(q.max())
             drafts.append(tok)
