@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 
 import numpy as np
@@ -196,7 +198,7 @@ def chi_square_p(samples, expected, n):
 def sample_pairs(engine, ids, params, n, drafter=None):
     counts: dict = {}
     for i in range(n):
-        p = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=1000 + i)
+        p = replace(params, seed=1000 + i)
         r = engine.generate(ids, sampling=p, max_tokens=2, drafter=drafter)
         assert len(r.token_ids) == 2  # eos has zero mass under this top-k at these positions
         key = tuple(r.token_ids)
@@ -221,10 +223,13 @@ def test_sampling_distribution_matches_the_target(models_, tokenizer):
     draft = ModelDrafter(backend(models_["llama_near"], tokenizer, "draft"), target=target)
     eng = SpeculativeEngine(target, draft, 2)
     n = 3000
-    good = sample_pairs(eng, ids, params, n)
-    p_good = chi_square_p(good, expected, n)
-    assert p_good > 1e-3, p_good
-    bad = sample_pairs(eng, ids, params, n, drafter=MislabelledDrafter(draft))
+    for rule in ("gumbel", "rejection"):
+        good = sample_pairs(eng, ids, replace(params, sampling_rule=rule), n)
+        p_good = chi_square_p(good, expected, n)
+        assert p_good > 1e-3, (rule, p_good)
+    # Mislabelled draft probabilities fool the rejection rule, which reads them (the "gumbel"
+    # rule does not: the target's token there is a function of its own distribution).
+    bad = sample_pairs(eng, ids, replace(params, sampling_rule="rejection"), n, drafter=MislabelledDrafter(draft))
     p_bad = chi_square_p(bad, expected, n)
     assert p_bad < 1e-6, p_bad
     assert 0.2 < draft_rate(eng, ids, params) < 0.95  # drafts are often, not always, accepted
@@ -383,3 +388,17 @@ def test_hidden_rows_are_asked_for_per_call(models_, tokenizer):
     b.rollback(0)
     (logits,), hidden = b.forward_batch_hidden([SeqForward(0, ids, rows)], ())
     assert hidden == {} and np.allclose(logits, plain, atol=1e-4)
+
+
+def test_a_seed_gives_plain_decodings_tokens_with_any_drafter_and_k(models_, tokenizer):
+    """float32 on the CPU: batched and one-token logits agree to ~1e-6, so under the "gumbel"
+    rule a seeded sampled generation is exactly plain decoding's, whatever drafts it."""
+    target = backend(models_["llama"], tokenizer, "target")
+    ids = prompt_ids(tokenizer)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=seed) for seed in range(4)]
+    base = [plain(target, ids, sampling=p, max_tokens=32).token_ids for p in params]
+    assert len({tuple(b) for b in base}) == 4
+    for k in (1, 4, 8):
+        for drafter in (ModelDrafter(backend(models_["llama_near"], tokenizer, "draft"), target=target), NgramDrafter()):
+            eng = SpeculativeEngine(target, drafter, k)
+            assert [eng.generate(ids, sampling=p, max_tokens=32).token_ids for p in params] == base, (k, drafter.name)
