@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 from .assembly import registry
 from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
-from .engine import Generation, SpeculativeEngine
+from .engine import Generation, SpeculativeEngine, drive
 from .errors import SpecDecodeError
 from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, check_text, \
     check_parallel
@@ -188,18 +188,9 @@ class Decoder:
         return self._stream(ids, options)
 
     def _stream(self, ids: list[int], options: GenerationOptions) -> Iterator[str | GenerationResult]:
-        gen = self.begin(prompt_ids=ids, options=options)
-        ended = False
-        try:
-            while not gen.done:
-                delta = self.step([gen])[0]
-                if delta or delta.token_ids:
-                    yield delta
-            ended = True
-            yield from self.end(gen)
-        finally:
-            if not ended and not self._closed:
-                self.end(gen)
+        # A stream abandoned after close() has nothing left to free.
+        yield from drive(self.begin(prompt_ids=ids, options=options), self.step,
+                         lambda gen: [] if self._closed else self.end(gen))
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
               prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,

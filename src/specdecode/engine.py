@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -142,18 +142,7 @@ class SpeculativeEngine:
         Raises SpecDecodeError for bad options, ContextOverflowError when the prompt does
         not fit in the context.
         """
-        gen = self.begin(prompt_ids, options, drafter=drafter, **fields)
-        ended = False
-        try:
-            while not gen.done:
-                delta = self.step([gen])[0]
-                if delta or delta.token_ids:
-                    yield delta
-            ended = True
-            yield from self.end(gen)
-        finally:
-            if not ended:
-                self.end(gen)
+        yield from drive(self.begin(prompt_ids, options, drafter=drafter, **fields), self.step, self.end)
 
     def begin(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
               drafter: Drafter | None = None, slot: int | None = None, **fields) -> Generation:
@@ -346,3 +335,21 @@ class SpeculativeEngine:
                 result = item
         assert result is not None
         return result
+
+
+def drive(gen: Generation, step: Callable[[list[Generation]], list[TextDelta]],
+          end: Callable[[Generation], list]) -> Iterator[TextDelta | GenerationResult]:
+    """Step one generation to its end: yield its non-empty deltas, then what ``end`` returns
+    (the last delta and the GenerationResult). A consumer that stops early (a closed
+    stream) still ends it, so that its slot is freed."""
+    ended = False
+    try:
+        while not gen.done:
+            delta = step([gen])[0]
+            if delta or delta.token_ids:
+                yield delta
+        ended = True
+        yield from end(gen)
+    finally:
+        if not ended:
+            end(gen)
