@@ -207,7 +207,7 @@ def sample_pairs(engine, ids, params, n, drafter=None):
 
 
 def draft_rate(eng, ids, params):
-    r = eng.generate(ids, sampling=SamplingParams(temperature=1.0, top_k=4, seed=5), max_tokens=60)
+    r = eng.generate(ids, sampling=replace(params, seed=5), max_tokens=60)
     return r.stats.acceptance_rate
 
 
@@ -232,7 +232,9 @@ def test_sampling_distribution_matches_the_target(models_, tokenizer):
     bad = sample_pairs(eng, ids, replace(params, sampling_rule="rejection"), n, drafter=MislabelledDrafter(draft))
     p_bad = chi_square_p(bad, expected, n)
     assert p_bad < 1e-6, p_bad
-    assert 0.2 < draft_rate(eng, ids, params) < 0.95  # drafts are often, not always, accepted
+    # Drafts are often, not always, accepted (under the rejection rule; the "gumbel" rule's
+    # coupling of the draft model's draws accepts fewer here).
+    assert 0.2 < draft_rate(eng, ids, replace(params, sampling_rule="rejection")) < 0.95
 
 
 def test_cross_backend_llama_cpp_draft_for_torch_target(smollm_path, smollm_draft):
@@ -312,9 +314,10 @@ def test_sampling_with_a_draft_vocabulary_subset_matches_the_target(models_, tok
     n = 3000
     p_good = chi_square_p(sample_pairs(eng, ids, params, n), expected, n)
     assert p_good > 1e-3, p_good
-    p_bad = chi_square_p(sample_pairs(eng, ids, params, n, drafter=MislabelledDrafter(draft)), expected, n)
+    rejection = replace(params, sampling_rule="rejection")  # the rule that reads the draft's probabilities
+    p_bad = chi_square_p(sample_pairs(eng, ids, rejection, n, drafter=MislabelledDrafter(draft)), expected, n)
     assert p_bad < 1e-6, p_bad
-    assert draft_rate(eng, ids, params) > 0.1
+    assert draft_rate(eng, ids, rejection) > 0.1
     # The restriction bites: the full draft puts mass outside the subset, the restricted none.
     full = ModelDrafter(backend(models_["llama_near"], tokenizer, "full"), target=target)
     outside = np.setdiff1d(np.arange(160, target.n_vocab), ids)
