@@ -165,9 +165,9 @@ def test_auto_parity_on_a_scripted_target():
 
 def test_auto_parity_on_smollm(smollm, smollm_draft):
     from specdecode.drafters import ModelDrafter
-    from specdecode.control.costmodel import measure_forward_curve
+    from specdecode.control.measure import measure_forward_curve
 
-    curve = measure_forward_curve(smollm, [1, 2, 3, 4, 5, 6, 7, 8, 9], reps=2)
+    curve = measure_forward_curve(smollm, [1, 2, 3, 4, 5, 6, 7, 8, 9], rounds=2).curve
     srcs = [Source(NgramDrafter(), 0.0002), Source(ModelDrafter(smollm_draft, target=smollm), curve(1))]
     ctl = SpeculationController(srcs, curve, kmax=8)
     text = smollm.apply_chat_template([{"role": "user", "content": "Repeat exactly: one two three, one two three."}])

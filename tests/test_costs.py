@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from specdecode.control import costmodel
+from specdecode.control import measure
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import AcceptanceEstimator
-from specdecode.control.costmodel import CostCurve, ObservedCurve, cached_forward_curve, mark_stale
+from specdecode.control.costmodel import CostCurve, ObservedCurve
+from specdecode.control.measure import Measurement, cached_forward_curve, mark_stale
 from specdecode.drafters import Draft, DrafterBase
 from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
 from specdecode.sampling import Sampler, SamplingParams
@@ -67,7 +68,7 @@ def test_always_accepted_drafts_settle_on_the_cheapest_block_per_token():
 
 
 def test_observed_times_are_folded_into_the_curve():
-    obs = ObservedCurve(BENT, weight=0.5, min_samples=3)
+    obs = ObservedCurve(BENT, min_samples=3)
     assert obs(16) == pytest.approx(BENT(16))
     for _ in range(10):
         obs.observe(1, 2 * BENT(1))  # this machine is now twice as slow at n = 1
@@ -82,7 +83,8 @@ def test_controller_with_learned_costs_follows_the_machine():
     """On a machine where blocks turn out dear (observed T(16) four times the measurement),
     a controller that learns costs stops choosing the 16-token block; one that does not, keeps it."""
     drifts = []
-    learned = SpeculationController([source(0.95)], BENT, kmax=32, learn_costs=True, on_drift=drifts.append)
+    learned = SpeculationController([source(0.95)], BENT, kmax=32, learn_costs=True,
+                                    on_drift=lambda why, live: drifts.append(why))
     fixed = SpeculationController([source(0.95)], BENT, kmax=32)
     for c in (learned, fixed):
         for _ in range(80):
@@ -90,7 +92,7 @@ def test_controller_with_learned_costs_follows_the_machine():
             c.observe_verification(1, BENT(1))
     assert fixed.plan(fixed.sources[0], 32)[0] == 15
     assert learned.plan(learned.sources[0], 32)[0] < 15
-    assert len(drifts) == 1 and "the measured curve" in drifts[0]  # reported once
+    assert len(drifts) == 1 and "the measured curve" in drifts[0] and "n = 16" in drifts[0]  # reported once
 
 
 class FakeTarget:
@@ -109,11 +111,11 @@ class FakeTarget:
 def measured(monkeypatch):
     calls = []
 
-    def fake_measure(backend, ns, context=64, reps=5):
+    def fake_measure(backend, ns, context=64, rounds=5):
         calls.append(tuple(ns))
-        return CostCurve(tuple(ns), tuple(0.01 * n for n in ns))
+        return Measurement(CostCurve(tuple(ns), tuple(0.01 * n for n in ns)))
 
-    monkeypatch.setattr(costmodel, "measure_forward_curve", fake_measure)
+    monkeypatch.setattr(measure, "measure_forward_curve", fake_measure)
     return calls
 
 
@@ -127,7 +129,7 @@ def test_cached_curve_is_reused(tmp_path, measured):
 def test_curve_written_under_another_key_is_measured_again(tmp_path, measured):
     t = FakeTarget()
     cached_forward_curve(t, [1, 2, 3], tmp_path)
-    path = costmodel.cost_cache_path(t, tmp_path)
+    path = measure.cost_cache_path(t, tmp_path)
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "key": "another library build"}))
     cached_forward_curve(t, [1, 2, 3], tmp_path)
@@ -140,7 +142,7 @@ def test_old_or_drifted_curve_is_measured_again(tmp_path, measured):
     cached_forward_curve(t, [1, 2, 3], tmp_path, max_age_s=-1)  # expired
     assert len(measured) == 2
     mark_stale(t, tmp_path, "observed 2.0x the measured curve")
-    assert "2.0x" in json.loads(costmodel.cost_cache_path(t, tmp_path).read_text())["stale"]
+    assert "2.0x" in json.loads(measure.cost_cache_path(t, tmp_path).read_text())["stale"]
     cached_forward_curve(t, [1, 2, 3], tmp_path)
     assert len(measured) == 3
     cached_forward_curve(t, [1, 2, 3], tmp_path)  # the new measurement is fresh

@@ -11,6 +11,7 @@ from specdecode.assembly import loading
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import match_band
 from specdecode.control.costmodel import CostCurve
+from specdecode.control.measure import Measurement
 from specdecode.drafters import IncrementalDrafter, LookupDrafter, NgramDrafter, NoDrafter, SuffixDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import SpecDecodeError
@@ -221,7 +222,7 @@ def test_the_controller_drafts_with_a_suffix_source():
 
 def test_loading_builds_suffix_drafters(monkeypatch):
     assert isinstance(loading.make_drafter("suffix", target=None), SuffixDrafter)
-    monkeypatch.setattr(loading, "cached_forward_curve", lambda *a, **k: FLAT)
+    monkeypatch.setattr(loading, "cached_measurement", lambda *a, **k: Measurement(FLAT))
     monkeypatch.setattr(loading, "default_draft_serves", lambda target: False)
     assert loading.make_controller("suffix", target=None).drafter_names == ["suffix"]
     assert loading.make_controller("auto", target=None).drafter_names == ["ngram", "suffix"]

@@ -15,7 +15,7 @@ from . import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
 from ..control.controller import SpeculationController, Source
-from ..control.costmodel import cached_forward_curve, mark_stale
+from ..control.measure import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..drafters import Drafter, NoDrafter
 from ..drafters.kinds import AUTO, DraftRequest, auto_kinds, check_draft_options, kind_of
 from ..errors import SpecDecodeError
@@ -112,8 +112,8 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
     shares the target's tokenizer), "none" (plain), or one kind (:func:`make_drafter`).
     Measures the target's verification curve T(n) at COST_CURVE_NS up to kmax + 1 and a
     draft model's cost per token once per model and machine (cached under the model cache);
-    the controller then follows the observed verification times, and marks the cached curve
-    stale when they drift far from it. n_seq: concurrent generations (the curve then also
+    the controller then follows the observed step times, and rewrites the cached curve with
+    them when they contradict it. n_seq: concurrent generations (the curve then also
     covers the sizes of a batched step, BATCH_COST_CURVE_NS; a draft model gets n_seq KV
     sequences).
     """
@@ -124,7 +124,8 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
     ns = sorted({n for n in COST_CURVE_NS if n <= kmax + 1} | {kmax + 1})
     if n_seq > 1:
         ns += [n for n in BATCH_COST_CURVE_NS if ns[-1] < n <= n_seq * (kmax + 1)]
-    curve = cached_forward_curve(target, ns, cache)
+    measured = cached_measurement(target, ns, cache)
+    curve = measured.curve
     load_opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend, dtype=dtype,
                      device=device, n_seq=n_seq)
     if draft == AUTO:
@@ -141,8 +142,10 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
         for s in sources:
             s.drafter.close()
         raise
-    return SpeculationController(sources, curve, kmax=kmax, learn_costs=True,
-                                 on_drift=lambda why: mark_stale(target, cache, why))
+    controller = SpeculationController(sources, curve, kmax=kmax, learn_costs=True,
+                                       on_drift=lambda why, live: rewrite_from_live(target, cache, live, why))
+    controller.measurement_note = measured.note()
+    return controller
 
 
 def _source(drafter: Drafter, cost_s: float | None) -> Source:

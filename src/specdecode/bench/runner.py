@@ -23,7 +23,8 @@ from pathlib import Path
 from ..assembly import registry
 from ..api import Decoder
 from ..backends.base import Backend
-from ..control.costmodel import CostCurve, cached_forward_curve
+from ..control.costmodel import CostCurve
+from ..control.measure import cached_forward_curve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar

@@ -33,6 +33,7 @@ import numpy as np
 from ..backends.base import Backend
 from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens_upto
 from ..drafters.base import ContinuationRule, Draft, Drafter, HiddenStateDrafter, IncrementalDrafter, LookupDrafter
+from .guard import SpeedGuard
 from .estimators import MATCH_PRIORS, AcceptanceEstimator, TwoRateEstimator, match_band
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
@@ -56,7 +57,7 @@ class SharedCosts:
     (a batched step reaches n = generations * (kmax + 1))."""
 
     def __init__(self, curve: CostCurve | ObservedCurve, n_max: int,
-                 on_drift: Callable[[str], None] | None = None) -> None:
+                 on_drift: Callable[[str, CostCurve], None] | None = None) -> None:
         self.curve = curve
         self.on_drift = on_drift
         self.table = self._table(n_max)
@@ -77,10 +78,16 @@ class SharedCosts:
             return
         T.observe(n, seconds)
         self.table = self._table(len(self.table) - 1)
+        if self.on_drift is None or T.samples < min_samples:
+            return
         lo, hi = bounds
-        if self.on_drift is not None and T.samples >= min_samples and not lo <= T.drift <= hi:
-            self.on_drift(f"observed verification times are {T.drift:.2f}x the measured curve "
-                          f"after {T.samples} steps")
+        ratios = T.ratios()[T.trusted()]
+        off = [T.base.ns[j] for j in np.flatnonzero(T.trusted()) if not lo <= T.ratios()[j] <= hi]
+        if not lo <= T.drift <= hi or off:
+            where = f" (at n = {', '.join(map(str, off))})" if off else ""
+            self.on_drift(f"observed step times are {T.drift:.2f}x the measured curve overall, "
+                          f"{ratios.min():.2f}-{ratios.max():.2f}x at the observed sizes{where}, "
+                          f"after {T.samples} steps", T.live_curve())
             self.on_drift = None
 
 
@@ -137,8 +144,11 @@ class SpeculationController(PlannedDrafter):
     sources: drafters with their measured cost per token (seconds). target_cost: T(n) of
     the target, measured for n = 1 .. kmax + 1. kmax: the largest K considered.
     learn_costs: follow the observed verification times (:class:`ObservedCurve`) instead
-    of keeping the measured curve as it is; on_drift(why) is called once when they drift
-    far from the measurement (the caller marks the cached curve stale).
+    of keeping the measured curve as it is; on_drift(why, live_curve) is called once when
+    they contradict the measurement (overall, or at an observed size; the caller rewrites the
+    cached curve with the live one). guard: the :class:`SpeedGuard` that stops drafting while
+    speculation runs slower than plain decoding in this generation (a new one by default;
+    it judges only steps this generation verified alone).
     probe_every: after this many plain steps in a row, one short speculative step
     refreshes a drafter's acceptance estimate (otherwise a K = 0 decision could never be
     undone). A probe that fails doubles that drafter's gap (up to max_probe_gap): probing a
@@ -160,11 +170,12 @@ class SpeculationController(PlannedDrafter):
     # Observed verification times this far from the measured curve (ratio), after
     # DRIFT_MIN_SAMPLES steps, mean the measurement no longer describes the machine.
     DRIFT_BOUNDS = (0.67, 1.5)
-    DRIFT_MIN_SAMPLES = 64
+    DRIFT_MIN_SAMPLES = 16
 
     def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = AUTO_KMAX,
                  probe_every: int = 16, max_probe_gap: int = 256, learn_costs: bool = False,
-                 on_drift: Callable[[str], None] | None = None, shared: SharedCosts | None = None):
+                 on_drift: Callable[[str, CostCurve], None] | None = None, shared: SharedCosts | None = None,
+                 guard: SpeedGuard | None = None):
         if not sources:
             raise ValueError("the controller needs at least one drafter")
         self.sources = list(sources)
@@ -194,6 +205,11 @@ class SpeculationController(PlannedDrafter):
         self._used: Counter = Counter()
         self._ks: dict[str, list[int]] = {}
         self._matched: Counter = Counter()
+        self.guard = guard or SpeedGuard()
+        self.measurement_note = ""  # how the cost curve was measured, when it is worth saying
+        self._proposed = False  # whether propose() ran this step, its seconds, and the step's own verification
+        self._draft_s = 0.0
+        self._own_verify: float | None = None
 
     @property
     def target_cost(self) -> CostCurve | ObservedCurve:
@@ -221,6 +237,7 @@ class SpeculationController(PlannedDrafter):
         self._used.clear()
         self._ks.clear()
         self._matched.clear()
+        self.guard.reset()
 
     def explain(self) -> str:
         """What each drafter did in the last generation, and why an unused one was not used:
@@ -245,6 +262,7 @@ class SpeculationController(PlannedDrafter):
                 else:
                     parts.append(f"{s.label} not used: at its estimated acceptance {s.estimator.alpha:.2f} it does "
                                  f"not pay (it costs {ratio:.2f} of a target step)")
+        parts += [p for p in (self.guard.explain(), self.measurement_note) if p]
         return "; ".join(parts)
 
     def finish(self, committed: Sequence[int]) -> None:
@@ -283,8 +301,11 @@ class SpeculationController(PlannedDrafter):
         return best, float(rates[best])
 
     def observe_verification(self, n: int, seconds: float) -> None:
-        """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs)."""
+        """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs);
+        when it verified only this generation's block, the guard judges the step."""
         self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
+        k = self._last_k if self._proposed else 0
+        self._own_verify = seconds if n <= k + 1 else None
 
     def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[tuple]:
         """(rate, source, K, probe, estimator) of each drafter worth trying after context,
@@ -346,8 +367,17 @@ class SpeculationController(PlannedDrafter):
         offered drafter drafts that many instead."""
         self._last, self._last_est, self._last_k, self._last_probe = None, None, 0, False
         self._steps += 1
+        self._proposed, started = True, time.perf_counter()
+        try:
+            return self._propose(context, k)
+        finally:
+            self._draft_s = time.perf_counter() - started
+
+    def _propose(self, context: Sequence[int], k: int) -> Draft:
         quota, offered, self._quota, self._offered = self._quota, self._offered, None, None
-        if quota is not None and offered is not None:
+        if not self.guard.allows_drafting():
+            plans = []
+        elif quota is not None and offered is not None:
             self._matched[offered[0].name] += 1
             plans = [(0.0, offered[0], min(quota, k), False, offered[1])] if min(quota, k) > 0 else []
         else:
@@ -385,6 +415,13 @@ class SpeculationController(PlannedDrafter):
         return keep
 
     def observe(self, num_accepted: int) -> None:
+        if self._own_verify is not None:
+            drafted = self._last_k if self._proposed else 0
+            if drafted:
+                self.guard.speculative_step(self._draft_s + self._own_verify, num_accepted + 1)
+            else:
+                self.guard.plain_step(self._own_verify)
+        self._proposed, self._own_verify, self._draft_s = False, None, 0.0
         s = self._last
         self._prev_source, self._prev_full = s, s is not None and num_accepted == self._last_k
         if s is not None:

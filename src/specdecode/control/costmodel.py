@@ -12,20 +12,11 @@ Units: seconds.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
-import time
+from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-
-from ..backends.base import Backend, SeqForward
-from ..files import write_text_atomic
-from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -115,165 +106,100 @@ def best_k(alpha: float, kmax: int, target: CostCurve, draft_cost: float) -> int
     return int(np.argmax(rates))
 
 
-def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, reps: int = 5) -> CostCurve:
-    """Time forward(n tokens) after a context of ``context`` tokens, median of reps.
-
-    A size beyond one sequence's block (MAX_NUM_SPECULATIVE_TOKENS + 1 tokens) is what a
-    batched step of several generations forwards: on a backend of several sequences it is
-    measured as blocks of that size on as many sequences, each after the same context.
-    The backend's caches are restored to empty afterwards. A small context window (a few
-    dozen tokens) shortens the context and measures only the sizes that fit in it (a step
-    can never verify more); the curve extrapolates beyond them.
-    """
-    block = MAX_NUM_SPECULATIVE_TOKENS + 1
-    context = max(0, min(context, backend.n_ctx - 1 - min(max(ns), block)))
-    ns = [n for n in ns if min(n, block) <= backend.n_ctx - 1 - context] or [1]
-    vocab = backend.n_vocab
-    rng = np.random.default_rng(0)
-    base = [int(t) for t in rng.integers(100, min(vocab, 30000), size=context)]
-    used = min(backend.n_seq, -(-max(ns) // block))
-    for seq in range(used):
-        backend.rollback(0, seq=seq)
-        backend.forward(base, logits_for=[], seq=seq)
-    secs = []
-    for n in ns:
-        toks = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
-        if n <= block or used == 1:
-            items = [SeqForward(0, toks, range(n))]
-        else:
-            parts = [toks[i:i + block] for i in range(0, n, block)][:used]
-            items = [SeqForward(seq, part, range(len(part))) for seq, part in enumerate(parts)]
-        times = []
-        for rep in range(reps + 1):  # the first is a warm-up of this shape
-            t0 = time.perf_counter()
-            backend.forward_batch(items)
-            if rep:
-                times.append(time.perf_counter() - t0)
-            for item in items:
-                backend.rollback(context, seq=item.seq)
-        secs.append(float(np.median(times)))
-    for seq in range(used):
-        backend.rollback(0, seq=seq)
-    return CostCurve(tuple(ns), tuple(secs))
-
-
-def machine_key(backend: Backend) -> str:
-    """What a measured curve depends on: model file, backend (with its ``cost_key``: dtype and
-    weights for torch), threads, device, CPU, library version."""
-    parts = [type(backend).__name__, backend.name, platform.machine(), platform.processor()]
-    path = backend.path
-    if path is not None and Path(path).exists():
-        st = Path(path).stat()
-        parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
-    parts += [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
-    if backend.n_seq > 1:  # a cache of several sequences (llama.cpp's unified KV) times differently
-        parts.append(f"n_seq={backend.n_seq}")
-    try:
-        with open("/proc/cpuinfo") as f:
-            parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
-    except OSError:
-        pass
-    try:
-        import llama_cpp
-
-        parts.append(llama_cpp.__version__)
-    except ImportError:
-        pass
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-
-
-# A cached curve older than this is measured again (seconds): a machine's load, its
-# library builds and its thermal state change over weeks.
-COST_CACHE_MAX_AGE_S = 14 * 24 * 3600
-
-
-def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
-    """Where the measured curve of this backend on this machine is cached."""
-    return cache_dir / "costs" / f"{machine_key(backend)}.json"
-
-
-def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
-                         max_age_s: float = COST_CACHE_MAX_AGE_S) -> CostCurve:
-    """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON
-    cache. The curve is measured again when the cache was written under another key (a
-    different model file, library build, thread count or CPU), for other ns, more than
-    ``max_age_s`` seconds ago, or was marked stale by :func:`mark_stale` (observed step
-    times drifted far from it)."""
-    key = machine_key(backend)
-    path = cost_cache_path(backend, cache_dir)
-    if not refresh and path.exists():
-        try:
-            data = json.loads(path.read_text())
-            curve = CostCurve.from_dict(data)
-            fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
-            if tuple(curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale"):
-                return curve
-        except (ValueError, KeyError, TypeError):
-            pass
-    curve = measure_forward_curve(backend, ns)
-    if tuple(curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
-        write_text_atomic(path, json.dumps({**curve.to_dict(), "model": backend.name, "key": key,
-                                            "measured_at": time.time()}))
-    return curve
-
-
-def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
-    """Flag the cached curve of this backend so that the next :func:`cached_forward_curve`
-    measures it again (``why`` is kept in the file for whoever reads it)."""
-    path = cost_cache_path(backend, cache_dir)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    write_text_atomic(path, json.dumps({**data, "stale": why}))
-
-
 class ObservedCurve:
     """T(n) as the controller plans with it: the measured curve, corrected by the step
-    times actually observed.
+    times actually observed (live costs come first).
 
     Every verification step is a free sample of T(n) (its forward plus the acceptance
-    rule). The ratio observed / measured is followed per measured point (an exponential
-    average over the samples nearest to it) and overall; a point with fewer than
-    ``min_samples`` samples uses the overall ratio, so that overheads seen at the sizes in
-    use also raise the sizes not yet tried. ``drift`` is that overall ratio: far from 1,
-    the measurement no longer describes the machine.
+    rule), every plain step one of T(1). Per measured point, the ratio observed / measured
+    is the median of the last ``window`` samples nearest to it, so a few outliers (a burst
+    of load) do not swing it and a real change is followed within a few steps. A point with
+    ``min_samples`` samples is *trusted*; an untrusted point takes the ratio of its trusted
+    neighbours (interpolated in n; the overall ratio ``drift``, the median of the last
+    2 ``window`` samples at any size, before any point is trusted) and is then kept within
+    what the trusted points allow (:meth:`values`): no clear fall below a smaller
+    trusted size, no more than a larger one, and no higher cost per token than a smaller
+    one. So a measured curve that was wrong in shape (T(1) measured during a burst) cannot
+    make an unobserved size look cheap or dear beyond what the observed ones permit.
 
-    base: the measured curve. weight: weight of the newest sample in the averages.
+    base: the measured curve. window: samples per point kept. min_samples: samples that make
+    a point trusted.
     """
 
-    def __init__(self, base: CostCurve, weight: float = 0.1, min_samples: int = 3) -> None:
+    FALL = 0.9  # an untrusted T(n) is at least this times a trusted T(m), m < n
+    RISE = 1.1  # ... and at most this times a trusted T(m), m > n
+    PER_TOKEN = 1.35  # ... and T(n)/n at most this times a trusted T(m)/m, m < n
+
+    def __init__(self, base: CostCurve, window: int = 9, min_samples: int = 2) -> None:
         self.base = base
-        self.weight = weight
+        self.window = window
         self.min_samples = min_samples
-        self.drift = 1.0
         self.samples = 0
-        self._ratio = [1.0] * len(base.ns)
-        self._count = [0] * len(base.ns)
+        self._recent = [deque(maxlen=window) for _ in base.ns]
+        self._all: deque = deque(maxlen=2 * window)
+        self._ns = np.asarray(base.ns, dtype=np.float64)
+        self._base_s = np.asarray(base.seconds, dtype=np.float64)
+        self._values: np.ndarray | None = None
         self._base_table = np.array([base(1)])  # base(n) for n = 0..len-1, grown on demand
 
-    def observe(self, n: int, seconds: float) -> None:
-        """One step verified n tokens in ``seconds``."""
-        r = seconds / self.base(n)
-        j = int(np.argmin([abs(m - n) for m in self.base.ns]))
-        w = max(self.weight, 1.0 / (self._count[j] + 1))  # the first samples count fully
-        self._ratio[j] += w * (r - self._ratio[j])
-        self._count[j] += 1
-        self.samples += 1
-        self.drift += max(self.weight, 1.0 / self.samples) * (r - self.drift)
+    @property
+    def drift(self) -> float:
+        """The overall ratio observed / measured (1.0 before any sample): far from 1, the
+        measurement no longer describes the machine."""
+        return float(np.median(self._all)) if self._all else 1.0
 
-    def _ratios(self) -> list[float]:
-        return [r if c >= self.min_samples else self.drift for r, c in zip(self._ratio, self._count)]
+    def observe(self, n: int, seconds: float) -> None:
+        """One step forwarded n tokens in ``seconds``."""
+        r = seconds / self.base(n)
+        j = int(np.argmin(np.abs(self._ns - n)))
+        self._recent[j].append(r)
+        self._all.append(r)
+        self.samples += 1
+        self._values = None
+
+    def trusted(self) -> np.ndarray:
+        """[len(base.ns)] bool: the points with enough live samples."""
+        return np.array([len(d) >= self.min_samples for d in self._recent])
+
+    def values(self) -> np.ndarray:
+        """[len(base.ns)] T at the measured sizes as planned with (seconds)."""
+        if self._values is not None:
+            return self._values
+        trusted = self.trusted()
+        ratio = np.array([float(np.median(d)) if trusted[j] else self.drift for j, d in enumerate(self._recent)])
+        n = self._ns
+        if trusted.any() and not trusted.all():  # untrusted: the ratio of the trusted neighbours
+            ratio[~trusted] = np.interp(n[~trusted], n[trusted], ratio[trusted])
+        v = self._base_s * ratio
+        if trusted.any() and not trusted.all():
+            for j in np.flatnonzero(~trusted):
+                below = trusted & (n < n[j])
+                above = trusted & (n > n[j])
+                lo = self.FALL * v[below].max() if below.any() else 0.0
+                hi = min([self.RISE * v[above].min()] if above.any() else [np.inf])
+                if j > 0:  # every smaller size, already kept in bounds (sizes ascend)
+                    hi = min(hi, self.PER_TOKEN * float(np.min(v[:j] / n[:j])) * n[j])
+                v[j] = min(max(v[j], lo), max(hi, lo))
+        self._values = v
+        return v
+
+    def ratios(self) -> np.ndarray:
+        """[len(base.ns)] planned / measured at the measured sizes."""
+        return self.values() / self._base_s
 
     def __call__(self, n: int) -> float:
-        return self.base(n) * float(np.interp(n, self.base.ns, self._ratios()))
+        return self.base(n) * float(np.interp(n, self._ns, self.ratios()))
 
     def table(self, n_max: int) -> np.ndarray:
         """[n_max + 1] T(n) for n = 0..n_max (T(0) := T(1)), in one vectorised pass."""
         if len(self._base_table) <= n_max:
             self._base_table = curve_table(self.base, n_max)
         n = np.arange(n_max + 1)
-        return self._base_table[: n_max + 1] * np.interp(np.maximum(n, 1), self.base.ns, self._ratios())
+        return self._base_table[: n_max + 1] * np.interp(np.maximum(n, 1), self._ns, self.ratios())
+
+    def live_curve(self) -> CostCurve:
+        """The curve as now planned with, at the measured sizes (what a cache rewrite stores)."""
+        return CostCurve(self.base.ns, tuple(float(x) for x in self.values()))
 
 
 def curve_table(curve: CostCurve, n_max: int) -> np.ndarray:

@@ -1,0 +1,382 @@
+"""Measuring T(n), the target's forward latency, so that a busy machine does not poison it;
+and the per-machine cache of the measured curve.
+
+A burst of load from another process (a browser, a compiler) lands on whatever is being
+timed at that moment. Measuring each n several times in a row puts a whole burst on one or
+two neighbouring points, and a curve such as T(1) 536 ms, T(2) 94 ms, T(6) 2388 ms follows
+(seen on a user's first start). So:
+
+- the sizes are timed in interleaved rounds (n = 1, 33, 2, 32, 3, 24, ... and again), a
+  point's value is the median of its rounds;
+- the result is checked against what any forward pass obeys (:func:`implausible_points`):
+  T does not fall with n beyond the kernels' bends, T(n) <= n T(1), the cost per token of a
+  block does not rise above that of a smaller block; points that break it are measured
+  again, and those still implausible after that are repaired from their neighbours
+  (isotonic regression, then the per-token bound);
+- the CPU time that other processes used during the measurement is read from /proc/stat, so
+  the statistics can say when the machine looked busy (:class:`Measurement`).
+
+Units: seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..backends.base import Backend, SeqForward
+from ..files import write_text_atomic
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS
+from .costmodel import CostCurve
+
+# Plausibility margins. A kernel that switches tiles at some size may make T(n) a little
+# lower than T(n - 1) (on the AVX-512 machines T(16) is about T(9)); more than this fall is a
+# measurement disturbed by load. A block's cost per token may exceed a smaller block's by
+# this factor (T(32)/32 is about 1.12 T(16)/16 on the AVX2 machines).
+FALL_MARGIN = 0.2
+PER_TOKEN_MARGIN = 0.35
+# Other processes using at least this share of the machine's CPU time during a measurement
+# make it "busy" in the statistics (and the cached curve says so).
+BUSY_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured curve and how far to trust it.
+
+    curve: T(n) at the measured sizes. others_cpu: share (0..1) of the machine's CPU time that
+    other processes used while it was measured (None where /proc/stat cannot be read).
+    remeasured: sizes measured again because they looked implausible. repaired: sizes still
+    implausible after that, set from their neighbours. spread: median over sizes of the
+    relative spread (interquartile range / median) of a size's rounds.
+    """
+
+    curve: CostCurve
+    others_cpu: float | None = None
+    remeasured: tuple[int, ...] = ()
+    repaired: tuple[int, ...] = ()
+    spread: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether the machine looked busy while this curve was measured."""
+        return (self.others_cpu or 0.0) >= BUSY_SHARE or self.spread >= 0.3
+
+    def note(self) -> str:
+        """One line for the statistics block ("" for a clean measurement)."""
+        parts = []
+        if self.busy:
+            share = f"other processes used {self.others_cpu:.0%} of the CPUs" if self.others_cpu is not None else \
+                f"its rounds spread by {self.spread:.0%}"
+            parts.append(f"the machine looked busy while the cost curve was measured ({share}); "
+                         "live step times correct it")
+        if self.repaired:
+            parts.append(f"T(n) at n = {', '.join(map(str, self.repaired))} stayed implausible after re-measuring "
+                         "and was set from its neighbours")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {**self.curve.to_dict(), "others_cpu": self.others_cpu, "remeasured": list(self.remeasured),
+                "repaired": list(self.repaired), "spread": self.spread}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measurement":
+        oc = d.get("others_cpu")
+        return cls(CostCurve.from_dict(d), None if oc is None else float(oc), tuple(d.get("remeasured", ())),
+                   tuple(d.get("repaired", ())), float(d.get("spread", 0.0)))
+
+
+def _breaks(n: np.ndarray, t: np.ndarray, i: int, j: int) -> bool:
+    """Whether points i < j (by size) break a rule of :func:`implausible_points`."""
+    return bool(t[j] < (1 - FALL_MARGIN) * t[i] or t[j] > (1 + PER_TOKEN_MARGIN) * (n[j] / n[i]) * t[i])
+
+
+def implausible_points(ns: Sequence[int], seconds: Sequence[float]) -> list[int]:
+    """Indices of the points of a measured curve that break what any forward obeys:
+
+    - T(n) >= (1 - FALL_MARGIN) T(m) for m < n (a larger forward is not clearly cheaper);
+    - T(n) <= (1 + PER_TOKEN_MARGIN) (n / m) T(m) for m < n (the cost per token does not rise
+      clearly above a smaller block's; with m = 1: T(n) <= n T(1) within the margin).
+
+    The points blamed are found greedily: the point in the most broken pairs is set aside
+    (on a tie, the one farthest from the log-log line through the others), until the rest
+    agree. So one disturbed point does not condemn its honest neighbours. ns ascending.
+    """
+    n = np.asarray(ns, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    keep = list(range(len(n)))
+    blamed = []
+    while True:
+        count = {i: 0 for i in keep}
+        for a, i in enumerate(keep):
+            for j in keep[a + 1:]:
+                if _breaks(n, t, i, j):
+                    count[i] += 1
+                    count[j] += 1
+        worst = max(count.values(), default=0)
+        if worst == 0:
+            return sorted(blamed)
+        tied = [i for i in keep if count[i] == worst]
+        if len(tied) > 1:
+            others = [i for i in keep if i not in tied] or keep
+            if len(others) >= 2:
+                b, a0 = np.polyfit(np.log(n[others]), np.log(t[others]), 1)
+                tied.sort(key=lambda i: -abs(np.log(t[i]) - (a0 + b * np.log(n[i]))))
+        blamed.append(tied[0])
+        keep.remove(tied[0])
+
+
+def repair(ns: Sequence[int], seconds: Sequence[float], bad: Sequence[int]) -> list[float]:
+    """The curve with the ``bad`` points replaced from the trusted ones: interpolated between
+    them (linear in n), then made non-decreasing (pool-adjacent-violators isotonic regression)
+    and capped by the per-token bound from T(1)."""
+    n = np.asarray(ns, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64).copy()
+    good = [i for i in range(len(n)) if i not in set(bad)]
+    if good and bad:
+        t[list(bad)] = np.interp(n[list(bad)], n[good], t[good])
+    t = _isotonic(t)
+    return [float(v) for v in np.minimum(t, (1 + PER_TOKEN_MARGIN) * n / n[0] * t[0])]
+
+
+def _isotonic(y: np.ndarray) -> np.ndarray:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in y:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2 = blocks.pop()
+            m1, w1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return np.concatenate([[m] * int(w) for m, w in blocks])
+
+
+def interleaved(ns: Sequence[int], round_: int = 0) -> list[int]:
+    """The order of one round: smallest, largest, next smallest, next largest, ... so that a
+    burst of load lasting part of a round does not fall on neighbouring sizes; round r starts
+    r * 3 places further on (so that load recurring with the round's period does not fall on
+    the same sizes every round)."""
+    s = sorted(ns)
+    out = []
+    while s:
+        out.append(s.pop(0))
+        if s:
+            out.append(s.pop())
+    shift = (3 * round_) % len(out) if out else 0
+    return out[shift:] + out[:shift]
+
+
+@dataclass
+class _CpuClock:
+    """CPU time of the whole machine (from /proc/stat) and of this process, to tell how much
+    of the machine other processes used between start and :meth:`others_share`."""
+
+    machine: tuple[float, float] | None = field(default=None)  # (busy, total) seconds
+    own: float = 0.0
+
+    @staticmethod
+    def _read() -> tuple[float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+        return (sum(fields) - idle) / hz, sum(fields) / hz
+
+    def start(self) -> "_CpuClock":
+        self.machine = self._read()
+        t = os.times()
+        self.own = t.user + t.system
+        return self
+
+    def others_share(self) -> float | None:
+        end = self._read()
+        if self.machine is None or end is None:
+            return None
+        t = os.times()
+        busy = end[0] - self.machine[0] - (t.user + t.system - self.own)
+        total = end[1] - self.machine[1]
+        return float(min(1.0, max(0.0, busy / total))) if total > 0 else None
+
+
+def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, rounds: int = 5,
+                          retries: int = 2, timer: Callable[[], float] = time.perf_counter) -> Measurement:
+    """Time forward(n tokens) after a context of ``context`` tokens, at each n in ns.
+
+    The sizes are timed in ``rounds`` interleaved rounds (:func:`interleaved`, after one
+    untimed warm-up of each shape) and each takes the median of its rounds. Points that
+    :func:`implausible_points` rejects are measured again (``rounds`` more rounds of them
+    and of n = 1, up to ``retries`` times); those still implausible are repaired
+    (:func:`repair`) and named in the result.
+
+    A size beyond one sequence's block (MAX_NUM_SPECULATIVE_TOKENS + 1 tokens) is what a
+    batched step of several generations forwards: on a backend of several sequences it is
+    measured as blocks of that size on as many sequences, each after the same context.
+    The backend's caches are restored to empty afterwards. A small context window (a few
+    dozen tokens) shortens the context and measures only the sizes that fit in it (a step
+    can never verify more); the curve extrapolates beyond them.
+    """
+    block = MAX_NUM_SPECULATIVE_TOKENS + 1
+    context = max(0, min(context, backend.n_ctx - 1 - min(max(ns), block)))
+    ns = [n for n in ns if min(n, block) <= backend.n_ctx - 1 - context] or [1]
+    vocab = backend.n_vocab
+    rng = np.random.default_rng(0)
+    base = [int(t) for t in rng.integers(100, min(vocab, 30000), size=context)]
+    used = min(backend.n_seq, -(-max(ns) // block))
+    clock = _CpuClock().start()
+    for seq in range(used):
+        backend.rollback(0, seq=seq)
+        backend.forward(base, logits_for=[], seq=seq)
+    shapes = {}
+    for n in ns:
+        toks = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
+        if n <= block or used == 1:
+            shapes[n] = [SeqForward(0, toks, range(n))]
+        else:
+            parts = [toks[i:i + block] for i in range(0, n, block)][:used]
+            shapes[n] = [SeqForward(seq, part, range(len(part))) for seq, part in enumerate(parts)]
+
+    samples: dict[int, list[float]] = {n: [] for n in ns}
+
+    def time_one(n: int) -> float:
+        t0 = timer()
+        backend.forward_batch(shapes[n])
+        dt = timer() - t0
+        for item in shapes[n]:
+            backend.rollback(context, seq=item.seq)
+        return dt
+
+    for n in ns:  # warm-up of each shape
+        time_one(n)
+    for r in range(rounds):
+        for n in interleaved(ns, r):
+            samples[n].append(time_one(n))
+    medians = lambda: [float(np.median(samples[n])) for n in ns]  # noqa: E731
+    remeasured: set[int] = set()
+    for _ in range(retries):
+        bad = implausible_points(ns, medians())
+        if not bad:
+            break
+        again = sorted({ns[i] for i in bad} | {ns[0]})
+        remeasured.update(ns[i] for i in bad)
+        for r in range(rounds):
+            for n in interleaved(again, r + 1):
+                samples[n].append(time_one(n))
+    for seq in range(used):
+        backend.rollback(0, seq=seq)
+    secs = medians()
+    bad = implausible_points(ns, secs)
+    if bad:
+        secs = repair(ns, secs, bad)
+    spread = float(np.median([(np.percentile(samples[n], 75) - np.percentile(samples[n], 25)) / max(np.median(samples[n]), 1e-12)
+                              for n in ns]))
+    return Measurement(CostCurve(tuple(ns), tuple(secs)), clock.others_share(), tuple(sorted(remeasured)),
+                       tuple(ns[i] for i in bad), round(spread, 4))
+
+
+def machine_key(backend: Backend) -> str:
+    """What a measured curve depends on: model file, backend (with its ``cost_key``: dtype and
+    weights for torch), threads, device, CPU, library version."""
+    parts = [type(backend).__name__, backend.name, platform.machine(), platform.processor()]
+    path = backend.path
+    if path is not None and Path(path).exists():
+        st = Path(path).stat()
+        parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    parts += [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
+    if backend.n_seq > 1:  # a cache of several sequences (llama.cpp's unified KV) times differently
+        parts.append(f"n_seq={backend.n_seq}")
+    try:
+        with open("/proc/cpuinfo") as f:
+            parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
+    except OSError:
+        pass
+    try:
+        import llama_cpp
+
+        parts.append(llama_cpp.__version__)
+    except ImportError:
+        pass
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+# A cached curve older than this is measured again (seconds): a machine's load, its
+# library builds and its thermal state change over weeks.
+COST_CACHE_MAX_AGE_S = 14 * 24 * 3600
+
+
+def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
+    """Where the measured curve of this backend on this machine is cached."""
+    return cache_dir / "costs" / f"{machine_key(backend)}.json"
+
+
+def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
+                       max_age_s: float = COST_CACHE_MAX_AGE_S) -> Measurement:
+    """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON
+    cache. The curve is measured again when the cache was written under another key (a
+    different model file, library build, thread count or CPU), for other ns, more than
+    ``max_age_s`` seconds ago, was marked stale by :func:`mark_stale`, or is implausible (a
+    curve cached by an older version, or edited by hand)."""
+    key = machine_key(backend)
+    path = cost_cache_path(backend, cache_dir)
+    if not refresh and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            m = Measurement.from_dict(data)
+            fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
+            if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
+                    and not implausible_points(m.curve.ns, m.curve.seconds)):
+                return m
+        except (ValueError, KeyError, TypeError):
+            pass
+    m = measure_forward_curve(backend, ns)
+    if tuple(m.curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
+        write_text_atomic(path, json.dumps({**m.to_dict(), "model": backend.name, "key": key,
+                                            "measured_at": time.time(), "source": "measured"}))
+    return m
+
+
+def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
+                         max_age_s: float = COST_CACHE_MAX_AGE_S) -> CostCurve:
+    """The curve of :func:`cached_measurement`."""
+    return cached_measurement(backend, ns, cache_dir, refresh, max_age_s).curve
+
+
+def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
+    """Flag the cached curve of this backend so that the next :func:`cached_forward_curve`
+    measures it again (``why`` is kept in the file for whoever reads it)."""
+    path = cost_cache_path(backend, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    write_text_atomic(path, json.dumps({**data, "stale": why}))
+
+
+def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve, why: str) -> None:
+    """Replace the cached curve of this backend by ``curve`` (the live step times, folded into
+    the measured points; repaired where implausible); mark the cache stale instead when it
+    cannot be made plausible. ``why`` is kept
+    in the file."""
+    path = cost_cache_path(backend, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    bad = implausible_points(curve.ns, curve.seconds)
+    if bad:
+        curve = CostCurve(curve.ns, tuple(repair(curve.ns, curve.seconds, bad)))
+    if tuple(data.get("ns", ())) != tuple(curve.ns) or implausible_points(curve.ns, curve.seconds):
+        write_text_atomic(path, json.dumps({**data, "stale": why}))
+        return
+    write_text_atomic(path, json.dumps({**data, **curve.to_dict(), "measured_at": time.time(), "source": "live",
+                                        "rewritten": why}))
