@@ -6,7 +6,7 @@ seed is the same at two K (the promise of the "gumbel" rule).
 
     python benchmarks/sampling_rules.py --per-category 3 --max-tokens 96 --out benchmarks/results/sampling_rules
 
-Prints a table; with --out writes results.json and README.md there.
+Prints a table; with --out writes results.json there.
 """
 
 from __future__ import annotations

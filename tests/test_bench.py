@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import time
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -172,6 +174,9 @@ def test_bench_config_checks_values_before_loading_anything():
         BenchConfig(max_tokens=0)
     with pytest.raises(SpecDecodeError, match="per_category = 0"):
         BenchConfig(per_category=0)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(SpecDecodeError, match=f"--background-load {bad} is out of range"):
+            BenchConfig(background_load=bad)
     assert BenchConfig(configs=["ngram:3"], categories=["chat"]) == BenchConfig(configs=("ngram:3",),
                                                                                    categories=("chat",))
 
@@ -187,12 +192,12 @@ def test_cli_builds_the_bench_config_from_its_options():
                    "--config", "auto", "--categories", "chat,math", "--per-category", "2", "--max-tokens", "16",
                    "--temperature", "0.7", "--top-p", "0.9", "--seed", "5", "--ctx-size", "1024", "--threads", "2",
                    "--backend", "torch", "--draft-backend", "llama.cpp", "--dtype", "bfloat16", "--device", "auto",
-                   "--draft-vocab", "1000", "--no-peer", "--quiet"])
+                   "--draft-vocab", "1000", "--no-peer", "--quiet", "--background-load", "0.5"])
     assert config_from_args(args) == BenchConfig(
         target="smollm2-135m-instruct", prompts="p.jsonl", configs=("ngram:3", "auto"), categories=("chat", "math"),
         per_category=2, max_tokens=16, sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=5), n_ctx=1024,
         n_threads=2, backend="torch", draft_backend="llama.cpp", dtype="bfloat16", device="auto", draft_vocab=1000,
-        peer=False, progress=False)
+        peer=False, progress=False, background_load=0.5)
     # The defaults are the library's defaults, the seed included (fixed at 0 for the bench).
     assert config_from_args(_parse([])) == BenchConfig()
     with pytest.raises(SpecDecodeError, match="--ctx-size"):
@@ -221,6 +226,26 @@ def test_run_bench_is_a_library_call(smollm_path, tmp_path):
         assert r["oracle_plain_time_s"] > 0 and 0 < r["oracle_time_s"] <= r["oracle_plain_time_s"] * (1 + 1e-9)
     assert res["meta"]["oracle_drafters"] == {"ngram": ["ngram"]}
     assert res["meta"]["cost_curve"]["ns"][0] == 1 and len(res["meta"]["cost_curve"]["seconds"]) > 1
+    curve = res["meta"]["cost_curve"]
+    assert res["meta"]["copy_limit"] == pytest.approx(33 * curve["seconds"][0] / curve["seconds"][-1], rel=1e-2)
+
+
+def test_background_load_takes_its_share_of_the_cpu():
+    """The load's children burn CPU while inside the block and are gone after it."""
+    from specdecode.bench.load import BackgroundLoad, cpus
+
+    load = BackgroundLoad(0.5)
+    assert load.processes == max(1, -(-cpus() // 2)) and 0 < load.duty <= 1
+    with load:
+        procs = list(load._procs)
+        time.sleep(1.0)
+        burnt = 0.0
+        for p in procs:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            burnt += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    assert burnt > 0.1 * load.processes  # each busy about half of a second that lasted > 1 s
+    assert all(not p.is_alive() for p in procs)
 
 
 def test_run_bench_constrains_json_schema_prompts(smollm_path, tmp_path, monkeypatch):

@@ -44,6 +44,11 @@ def test_generate_json_compare(smollm_path):
     base = obj["baseline"]
     assert base["stats"]["drafted"] == 0
     assert base["speedup"] > 0
+    # Plain ran before and after the speculative run: a speedup against each, and whether
+    # the machine's load moved between them.
+    assert len(base["halves"]) == 2 and all(h > 0 for h in base["halves"])
+    assert min(base["halves"]) <= base["speedup"] <= max(base["halves"])
+    assert isinstance(base["load_changed"], bool) and ("note" in base) == base["load_changed"]
     assert base["parity"]["status"] in ("exact", "near-tie")
     assert base["text"] == obj["text"] or base["parity"]["status"] == "near-tie"
 

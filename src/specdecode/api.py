@@ -247,19 +247,31 @@ class Decoder:
     def compare(self, prompt: str | None = None, **kwargs) -> tuple[GenerationResult, GenerationResult, dict]:
         """Run speculatively and plainly on the same input; returns (speculative, plain, report).
 
-        report: speedup (ratio of decode tokens/s), and for greedy runs the parity
-        report of :func:`specdecode.parity.parity_report`.
+        Plain decoding runs before and after the speculative run (plain, speculative, plain),
+        so that load that rises or falls over the comparison weighs on both sides alike. (One
+        speculative run, not two: a drafter that learns across requests, suffix drafting,
+        would have the answer the second time.) The plain result returned is the first.
+
+        report: speedup (the speculative decode tokens/s over the two plain runs' tokens over
+        their seconds), halves (against the plain run before and the one after: their spread
+        says how much the machine's load moved the figure), load_changed (True when the halves differ by
+        more than 10%, with a warning line in ``note``), and the parity report of
+        :func:`specdecode.parity.parity_report` for greedy runs and seeded "gumbel" sampling.
         """
         kwargs.pop("plain", None)
         self._check_open()
-        self.engine.forget_prefix()
-        spec = self.generate(prompt, plain=False, record_top2_gaps=True, **kwargs)
-        self.engine.forget_prefix()  # the baseline prefills too, as it would alone
-        base = self.generate(prompt, plain=True, record_top2_gaps=True, **kwargs)
-        report: dict = {
-            "speedup": round(spec.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s, 3)
-            if base.stats.decode_tokens_per_s > 0 else None,
-        }
+        runs: dict[bool, list[GenerationResult]] = {False: [], True: []}
+        for plain in (True, False, True):
+            self.engine.forget_prefix()  # each run prefills, as it would alone
+            runs[plain].append(self.generate(prompt, plain=plain, record_top2_gaps=True, **kwargs))
+        spec, base = runs[False][0], runs[True][0]
+        report: dict = {"speedup": _speedup(runs[False], runs[True]),
+                        "halves": [_speedup(runs[False], [runs[True][0]]), _speedup(runs[False], [runs[True][1]])]}
+        h = report["halves"]
+        report["load_changed"] = bool(h[0] and h[1] and abs(h[0] - h[1]) > 0.1 * max(h))
+        if report["load_changed"]:
+            report["note"] = (f"the machine's load changed during the comparison: the two halves gave {h[0]}x and "
+                              f"{h[1]}x; run it again on a quieter machine for a firm figure")
         given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options")}
         sampling = GenerationOptions.from_kwargs(kwargs.get("options"), **given).sampling
         if sampling.greedy:
@@ -272,6 +284,17 @@ class Decoder:
             report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "
                                           "compares distributions, not tokens"}
         return spec, base, report
+
+
+def _speedup(spec: list[GenerationResult], plain: list[GenerationResult]) -> float | None:
+    """Decode tokens/s of the speculative runs over the plain runs' (each side's tokens and
+    seconds summed); None when a side decoded nothing."""
+    def rate(rs: list[GenerationResult]) -> float:
+        seconds = sum(r.stats.decode_s for r in rs)
+        return sum(r.stats.completion_tokens for r in rs) / seconds if seconds > 0 else 0.0
+
+    base = rate(plain)
+    return round(rate(spec) / base, 3) if base > 0 else None
 
 
 def generate(prompt: str | None = None, **options) -> GenerationResult | Iterator[str]:

@@ -167,7 +167,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(_colour_tokens(dec, result) if args.show_acceptance else result.text)
             print(_stats_block(label, obj["stats"]), file=sys.stderr)
             print(_stats_block("plain (draft none)", base.stats.to_dict()), file=sys.stderr)
-            print(f"speedup {report['speedup']}x, parity: {json.dumps(report['parity'])}", file=sys.stderr)
+            h = report["halves"]
+            print(f"speedup {report['speedup']}x (against the plain run before: {h[0]}x, after: {h[1]}x), "
+                  f"parity: {json.dumps(report['parity'])}", file=sys.stderr)
+            if report.get("note"):
+                print(f"warning: {report['note']}", file=sys.stderr)
             return 0
 
         if args.show_acceptance:

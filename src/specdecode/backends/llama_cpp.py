@@ -87,11 +87,22 @@ def extra_buffers_are_safe() -> bool:
 
 
 def default_threads() -> int:
-    """Cores this process may run on."""
+    """Physical cores this process may run on, as llama.cpp recommends (its
+    ``cpu_get_num_math``): a second hardware thread of a core shares its vector units and
+    slows a compute-bound forward. Logical CPUs where the topology cannot be read."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

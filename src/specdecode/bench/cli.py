@@ -30,6 +30,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="for prompts without their own max_tokens (default: %(default)s)")
     b.add_argument("--no-peer", dest="peer", action="store_false",
                    help="skip the peers (llama-cpp-python's prompt lookup; transformers' generate)")
+    b.add_argument("--background-load", type=float, default=None, metavar="F",
+                   help="run beside a CPU load taking this fraction of the machine (0 < F <= 1; 0.5 on 2 cores "
+                        "keeps one core busy): is speculation still never slower on a busy machine?")
     _add_output_options(b, "results", cmd_bench)
     return b
 
@@ -52,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         per_category=args.per_category, max_tokens=args.max_tokens, sampling=sampling_from_args(args),
         n_ctx=args.ctx_size, n_threads=args.threads, backend=args.backend, draft_backend=args.draft_backend,
         dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
-        progress=not args.quiet,
+        progress=not args.quiet, background_load=args.background_load,
     )
 
 

@@ -209,6 +209,10 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
           f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer, {meta['peak_rss_mb']:.0f} MB in all", file=file)
     if meta.get("peer"):
         print(f"peer: {meta['peer']}", file=file)
+    if meta.get("copy_limit"):
+        print(f"copy limit L = 33 T(1) / T(33) = {meta['copy_limit']:.2f}x (a perfect 32-token copy)", file=file)
+    if meta.get("background_load"):
+        print(f"beside a background CPU load of {meta['background_load']:.0%} of the machine", file=file)
     for cfg, per in result["summary"].items():
         print(f"\n{cfg}", file=file)
         assisted = any("peer_assisted_tokens_per_s" in e for e in per.values())

@@ -2,7 +2,10 @@
 
 For every prompt, plain decoding and each configuration run back to back in one process
 on the same loaded target, with the same sampling settings and max_tokens, after a
-warm-up; the peers (:mod:`.peers`) run on the same prompts. Prompts run in file order and
+warm-up; the peers (:mod:`.peers`) run on the same prompts. The order alternates from one
+prompt to the next (plain first, then the configurations first), so load that changes over
+the run weighs on both sides alike; ``background_load`` runs the whole bench beside a
+bounded CPU load (:mod:`.load`). Prompts run in file order and
 each configuration keeps its engine (and so its drafter) from one prompt to the next, so
 a drafter that learns across requests has seen the earlier ones. A prompt with a grammar
 (its ``json_schema``) is constrained to it in every generation, plain and speculative
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from ..assembly.loading import make_controller, make_drafter
 from ..output import GenerationResult
 from ..parity import parity_report
 from ..sampling import SamplingParams
+from .load import BackgroundLoad
 from .oracle import OracleResult, lookup_drafters, oracle_replay
 from .peers import decode_rate, start_peer
 from .report import summarize
@@ -58,6 +63,8 @@ class BenchConfig:
     backend, draft_backend: "auto", "llama.cpp" or "torch"; dtype, device: for the torch
         backend; draft_vocab: see :class:`specdecode.drafters.ModelDrafter` (0 = all).
     peer: also time the peers. progress: progress bars on stderr.
+    background_load: run beside a CPU load of this fraction of the machine (0 < F <= 1;
+        None: none).
 
     Raises SpecDecodeError naming the field when a value is out of range (before any
     model is loaded).
@@ -79,6 +86,7 @@ class BenchConfig:
     draft_vocab: int = 0
     peer: bool = True
     progress: bool = True
+    background_load: float | None = None
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples, so configs stay immutable and comparable.
@@ -91,6 +99,8 @@ class BenchConfig:
             parse_config(c)
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens = {self.max_tokens} is out of range: expected >= 1", param="max_tokens")
+        if self.background_load is not None:
+            BackgroundLoad(self.background_load)  # raises for a value out of range
         if self.per_category is not None and self.per_category < 1:
             raise SpecDecodeError(f"per_category = {self.per_category} is out of range: expected >= 1 or None",
                                   param="per_category")
@@ -98,6 +108,17 @@ class BenchConfig:
     def parsed_configs(self) -> list[tuple[str, int | str]]:
         """configs as (draft, K) pairs."""
         return [parse_config(c) for c in self.configs]
+
+
+@contextmanager
+def _no_load():
+    yield None
+
+
+def copy_limit(curve: CostCurve) -> float:
+    """L = 33 T(1) / T(33): the speedup of a perfect 32-token copy verified in one forward
+    against one-token decoding on this machine, the ceiling of any drafter's win."""
+    return round(33 * curve(1) / curve(33), 3)
 
 
 def peak_rss_mb() -> float:
@@ -252,23 +273,33 @@ def run_bench(config: BenchConfig) -> dict:
         rows = []
         bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=not config.progress,
                    file=sys.stderr, mininterval=5)
-        for p in prompts:
-            ids = ids_of(p)
-            plain = plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True,
-                                          grammar=p.grammar)
-            bar.update(1)
-            ps = plain.stats
-            plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
-            peer_rate = assisted_rate = None
-            if peer is not None and p.grammar is None:
-                peer_rate, assisted_rate, failed = _run_peer(peer, assisted_peer, ids, p)
-                peer_note = f"{peer_note}; {failed}" if failed else peer_note
-            runs.append((ids, plain.token_ids, []))
-            for name, eng in engines.items():
-                r = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
-                bar.update(1)
-                rows.append(_row(p, name, r, plain, plain_rate, params.greedy, peer_rate, assisted_rate))
-                runs[-1][2].append(rows[-1])
+        with BackgroundLoad(config.background_load) if config.background_load else _no_load():
+            for i, p in enumerate(prompts):
+                ids = ids_of(p)
+
+                def run_plain():
+                    return plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens,
+                                                 record_top2_gaps=True, grammar=p.grammar)
+
+                def run_configs():
+                    return {name: eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
+                            for name, eng in engines.items()}
+
+                if i % 2 == 0:
+                    plain, results = run_plain(), run_configs()
+                else:  # alternate the order, so that changing load weighs on both sides
+                    results, plain = run_configs(), run_plain()
+                bar.update(1 + len(engines))
+                ps = plain.stats
+                plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
+                peer_rate = assisted_rate = None
+                if peer is not None and p.grammar is None:
+                    peer_rate, assisted_rate, failed = _run_peer(peer, assisted_peer, ids, p)
+                    peer_note = f"{peer_note}; {failed}" if failed else peer_note
+                runs.append((ids, plain.token_ids, []))
+                for name, r in results.items():
+                    rows.append(_row(p, name, r, plain, plain_rate, params.greedy, peer_rate, assisted_rate))
+                    runs[-1][2].append(rows[-1])
         bar.close()
         rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
         del peer
@@ -283,5 +314,7 @@ def run_bench(config: BenchConfig) -> dict:
             "rss_before_peer_mb": round(rss_specdecode, 1),
             "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite"),
             "cost_curve": curve.to_dict() if curve is not None else None,
+            "copy_limit": copy_limit(curve) if curve is not None else None,
+            "background_load": config.background_load,
             "oracle_drafters": {d: [x.name for x in ds] for d, ds in oracle_drafters.items()}}
     return {"meta": meta, "summary": summarize(rows, names), "rows": rows}
