@@ -17,6 +17,7 @@ from specdecode.control.estimators import AcceptanceEstimator
 from specdecode.control.guard import SpeedGuard
 from specdecode.control.measure import implausible_points, interleaved, measure_forward_curve, repair
 from specdecode.drafters import Draft, DrafterBase, NoDrafter
+from specdecode.drafters.base import LookupDrafter, Match
 from specdecode.engine import SpeculativeEngine
 from specdecode.limits import COST_CURVE_NS
 
@@ -263,10 +264,70 @@ def test_the_guard_on_an_engine_whose_verification_is_dear():
 
 
 def test_the_guard_does_not_slow_an_oracle_drafter():
+    """Verification as flat as on a GPU (2 ms a forward, whatever n) and every draft right:
+    the guard never stops drafting; it only times a few plain steps as its reference."""
+
+    class Flat(ScriptedBackend):
+        def forward_batch(self, items):
+            time.sleep(0.002)
+            return super().forward_batch(items)
+
     script = [5 + i % 7 for i in range(100)]
     pieces = [b"<eos>"] + [bytes([65 + i]) for i in range(15)]
-    target = ScriptedBackend(pieces, script, n_prompt=3)
+    target = Flat(pieces, script, n_prompt=3)
     src = Source(OracleDrafter(target), 0.0, estimator=AcceptanceEstimator(prior_alpha=0.99, prior_weight=1e9))
     c = SpeculationController([src], CostCurve((1, 9), (0.01, 0.012)), kmax=8)
     r = SpeculativeEngine(target, c, 8).generate([2, 3, 4], max_tokens=100)
     assert r.token_ids == script[:100] and r.stats.accepted >= 80
+    assert c.guard.stops == 0 and 1 <= c.guard.forced <= 3
+
+
+def test_the_acceptance_model_learns_from_the_features():
+    """Drafts right exactly when the target was confident at the last position: the logistic
+    model separates the two; the match kind's rates alone (a constant estimate) cannot."""
+    from specdecode.control.estimators import LogisticAcceptance, StepFeatures, TwoRateEstimator
+
+    rates = TwoRateEstimator(0.5, 0.5)
+    model = LogisticAcceptance()
+    sure, unsure = StepFeatures(3, True, confidence=0.97), StepFeatures(3, True, confidence=0.2)
+    for i in range(300):
+        f = sure if i % 2 else unsure
+        model.update(rates, f, 4, 4 if f is sure else 0)
+        rates.update(4, 4 if f is sure else 0)
+    p_sure = model.probabilities(rates, sure, 1)[0]
+    p_unsure = model.probabilities(rates, unsure, 1)[0]
+    assert p_sure > 0.8 and p_unsure < 0.2
+    # Negative control: the rates alone give one figure for both kinds of step.
+    assert abs(rates.first.alpha - 0.5) < 0.3 and not (rates.first.alpha > 0.8 or rates.first.alpha < 0.2)
+
+
+class Lookup(LookupDrafter):
+    """A lookup that always matches (3 tokens, unique) and proposes token 7."""
+
+    name = "lookup"
+
+    def lookup(self, context):
+        return Match(3, 0, True)
+
+    def available(self, context):
+        return 32
+
+    def propose(self, context, k):
+        return Draft([7] * k)
+
+
+def test_k_follows_the_learned_acceptance_model():
+    """The controller hands the target's confidence to the model: after training on drafts
+    that are right only after a confident position, it drafts there and not elsewhere."""
+    c = SpeculationController([Source(Lookup(), 0.0)], IDLE, kmax=8)
+    c.guard = SpeedGuard(window=10**6)
+    for i in range(200):
+        conf = 0.97 if i % 2 else 0.2
+        c.observe_confidence(conf)
+        k = len(c.propose([1, 2, 3], 8).token_ids)
+        c.observe(k if conf > 0.5 else 0)
+    c.observe_confidence(0.2)  # after a confident step fully accepted, as in training
+    assert len(c.propose([1, 2, 3], 8).token_ids) == 0
+    c.observe(0)
+    c.observe_confidence(0.97)
+    assert len(c.propose([1, 2, 3], 8).token_ids) >= 4

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len
-from .control.planner import end_plan, observe_verification, plan_batch
+from .control.planner import end_plan, observe_confidence, observe_verification, plan_batch
 from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
@@ -247,6 +247,7 @@ class SpeculativeEngine:
         self.target.rollback(len(committed) - 1, seq=slot.seq)
         slot.cached = committed[:-1]
         assert self.target.seq_len(slot.seq) == len(committed) - 1, "target KV length must be committed length - 1"
+        observe_confidence(gen.drafter, logits[result.num_accepted])
         gen.drafter.observe(result.num_accepted)
         return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps)
 

@@ -124,7 +124,7 @@ class Sampler:
         # A generation without a seed gets one, so that its noise is still keyed by position.
         self.seed = self.params.seed if self.params.seed is not None else int(np.random.SeedSequence().entropy) % 2**64
         self.rng = np.random.default_rng(self.seed)
-        self._noise: dict[int, np.ndarray] = {}  # absolute index -> u [V]
+        self._noise: dict[int, np.ndarray] = {}  # absolute index -> E [V]
 
     @property
     def keyed(self) -> bool:
@@ -132,31 +132,33 @@ class Sampler:
         return not self.params.greedy and self.params.sampling_rule == "gumbel"
 
     def noise(self, index: int, n_vocab: int) -> np.ndarray:
-        """Uniform draws u [V] in [0, 1) for the token at absolute index ``index``: Philox
-        (a counter-based generator) keyed by (seed, output position); the same at every call.
-        The last NOISE_CACHE positions are kept (target and draft model read the same)."""
-        u = self._noise.get(index)
-        if u is None or len(u) != n_vocab:
+        """Exponential draws E [V] (E_i ~ Exp(1), float32) for the token at absolute index
+        ``index``: Philox (a counter-based generator) keyed by (seed, output position); the
+        same at every call. The last NOISE_CACHE positions are kept (target and draft model
+        read the same)."""
+        e = self._noise.get(index)
+        if e is None or len(e) != n_vocab:
             pos = index - self.prompt_len
             gen = np.random.Generator(np.random.Philox(key=np.array([self.seed, pos % 2**64], dtype=np.uint64)))
-            u = gen.random(n_vocab)
+            e = np.maximum(gen.standard_exponential(n_vocab, dtype=np.float32), np.float32(1e-30))  # never 0
             if len(self._noise) >= NOISE_CACHE:
                 self._noise.pop(next(iter(self._noise)))
-            self._noise[index] = u
-        return u
+            self._noise[index] = e
+        return e
 
     def draw(self, probs: np.ndarray, index: int) -> int:
         """The token at absolute index ``index`` drawn from probs [V]: under the "gumbel" rule
-        argmin over p > 0 of E_i / p_i with E_i = -log(1 - u_i) ~ Exp(1) from :meth:`noise`
-        (the exponential race, which is Gumbel-max: argmax log p_i + G_i with G_i = -log E_i;
-        P(i) = p_i exactly); else one draw from the stream ``rng``."""
+        argmin over p > 0 of E_i / p_i with E_i ~ Exp(1) from :meth:`noise` (the exponential
+        race, which is Gumbel-max: argmax log p_i + G_i with G_i = -log E_i; P(i) = p_i
+        exactly); else one draw from the stream ``rng``. Raises ValueError for zero mass."""
         if not self.keyed:
             return sample_token(probs, self.rng)
-        idx = np.flatnonzero(probs > 0.0)
-        if idx.size == 0:
+        with np.errstate(divide="ignore"):
+            race = self.noise(index, len(probs)) / probs  # p_i = 0: +inf, never chosen
+        best = int(np.argmin(race))
+        if not probs[best] > 0.0:
             raise ValueError("cannot sample from a distribution with zero mass")
-        race = -np.log1p(-self.noise(index, len(probs))[idx]) / probs[idx]
-        return int(idx[np.argmin(race)])
+        return best
 
     def scores(self, logits: np.ndarray, history: Sequence[int], index: int) -> np.ndarray:
         """What the rule chose the token at ``index`` by, [V] (larger wins): the penalized
@@ -169,7 +171,7 @@ class Sampler:
         with np.errstate(divide="ignore"):
             if not self.keyed:
                 return np.log(probs)
-            return np.log(probs) - np.log(-np.log1p(-self.noise(index, len(probs))))
+            return np.log(probs) - np.log(self.noise(index, len(probs)))
 
     def constrain(self, logits: np.ndarray, pending: Sequence[int] = ()) -> np.ndarray:
         """The grammar mask (structured output), applied first: logits [V] at the position

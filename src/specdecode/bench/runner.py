@@ -230,6 +230,26 @@ def _warm_up(prompts: list[BenchPrompt], ids_of, target: Backend, plain_engine: 
     return w, warm.token_ids, []
 
 
+def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: SpeculativeEngine,
+                 engines: dict[str, SpeculativeEngine], params) -> tuple[GenerationResult, dict]:
+    """The i-th prompt's plain run and each configuration's (name -> result). Plain goes
+    first on even prompts and last on odd ones, so that load changing over the run weighs on
+    both sides alike."""
+    def run_plain():
+        return plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True,
+                                     grammar=p.grammar)
+
+    def run_configs():
+        return {name: eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
+                for name, eng in engines.items()}
+
+    if i % 2 == 0:
+        plain = run_plain()
+        return plain, run_configs()
+    results = run_configs()
+    return run_plain(), results
+
+
 def run_bench(config: BenchConfig) -> dict:
     """Load the target and the configurations' drafters, warm up, and time plain decoding,
     each configuration and the peers on every selected prompt.
@@ -276,19 +296,7 @@ def run_bench(config: BenchConfig) -> dict:
         with BackgroundLoad(config.background_load) if config.background_load else _no_load():
             for i, p in enumerate(prompts):
                 ids = ids_of(p)
-
-                def run_plain():
-                    return plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens,
-                                                 record_top2_gaps=True, grammar=p.grammar)
-
-                def run_configs():
-                    return {name: eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
-                            for name, eng in engines.items()}
-
-                if i % 2 == 0:
-                    plain, results = run_plain(), run_configs()
-                else:  # alternate the order, so that changing load weighs on both sides
-                    results, plain = run_configs(), run_plain()
+                plain, results = _time_prompt(p, ids, i, plain_engine, engines, params)
                 bar.update(1 + len(engines))
                 ps = plain.stats
                 plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)

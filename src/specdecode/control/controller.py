@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..backends.base import Backend
-from .costmodel import CostCurve, ObservedCurve, curve_table, expected_tokens_upto
-from ..drafters.base import ContinuationRule, Draft, Drafter, HiddenStateDrafter, IncrementalDrafter, LookupDrafter
+from .costmodel import CostCurve, ObservedCurve, expected_tokens_upto
+from ..drafters.base import ContinuationRule, Draft, HiddenStateDrafter, IncrementalDrafter
 from .guard import SpeedGuard
-from .estimators import MATCH_PRIORS, AcceptanceEstimator, TwoRateEstimator, match_band
+from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
+from .sources import SharedCosts, Source
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
 from ..sampling import Sampler
@@ -51,91 +51,6 @@ COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
 # A draft model that has not seen the text must first catch up on it, a one-off cost. It is
 # paid when the drafter's steady rate repays it within this many committed tokens.
 CATCH_UP_HORIZON = 64
-class SharedCosts:
-    """T(n) as every fork of one controller plans with it: the curve (measured, or
-    :class:`ObservedCurve` when costs are learned) and its table T[0..n], grown on demand
-    (a batched step reaches n = generations * (kmax + 1))."""
-
-    def __init__(self, curve: CostCurve | ObservedCurve, n_max: int,
-                 on_drift: Callable[[str, CostCurve], None] | None = None) -> None:
-        self.curve = curve
-        self.on_drift = on_drift
-        self.table = self._table(n_max)
-
-    def _table(self, n_max: int) -> np.ndarray:
-        T = self.curve
-        return T.table(n_max) if isinstance(T, ObservedCurve) else curve_table(T, n_max)
-
-    def upto(self, n: int) -> np.ndarray:
-        """T(0..>=n) (T(0) := T(1))."""
-        if len(self.table) <= n:
-            self.table = self._table(max(n, 2 * len(self.table)))
-        return self.table
-
-    def observe(self, n: int, seconds: float, bounds: tuple[float, float], min_samples: int) -> None:
-        T = self.curve
-        if not isinstance(T, ObservedCurve):
-            return
-        T.observe(n, seconds)
-        self.table = self._table(len(self.table) - 1)
-        if self.on_drift is None or T.samples < min_samples:
-            return
-        lo, hi = bounds
-        ratios = T.ratios()[T.trusted()]
-        off = [T.base.ns[j] for j in np.flatnonzero(T.trusted()) if not lo <= T.ratios()[j] <= hi]
-        if not lo <= T.drift <= hi or off:
-            where = f" (at n = {', '.join(map(str, off))})" if off else ""
-            self.on_drift(f"observed step times are {T.drift:.2f}x the measured curve overall, "
-                          f"{ratios.min():.2f}-{ratios.max():.2f}x at the observed sizes{where}, "
-                          f"after {T.samples} steps", T.live_curve())
-            self.on_drift = None
-
-
-@dataclass
-class Source:
-    """One drafter the controller may use, with its cost per drafted token (seconds): the
-    measured value to start with, then an exponential average of what proposals cost."""
-
-    drafter: Drafter
-    draft_cost: float
-    estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
-    probe_gap: int = 0  # plain steps before the next probe; set by the controller
-    prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
-    # For a LookupDrafter (prompt lookup, suffix): one
-    # acceptance estimate per kind of match, (band index, unique), used instead of ``estimator``.
-    bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
-
-    def __post_init__(self) -> None:
-        if self.bands is None and isinstance(self.drafter, LookupDrafter):
-            self.bands = {(i, u): TwoRateEstimator(a1, a)
-                          for u, priors in MATCH_PRIORS.items() for i, (a1, a) in enumerate(priors)}
-
-    def estimator_for(self, context: Sequence[int]) -> tuple[AcceptanceEstimator | TwoRateEstimator | None, int]:
-        """The acceptance estimate that applies after ``context`` and the most tokens this
-        drafter can propose there: (None, 0) when a lookup drafter finds no match."""
-        if self.bands is None:
-            return self.estimator, 1 << 30
-        match = self.drafter.lookup(context)
-        if match.length == 0:
-            return None, 0
-        return self.bands[match_band(match.length), match.unique], self.drafter.available(context)
-
-    def catch_up(self, context: Sequence[int]) -> float:
-        """Seconds this drafter needs before it can draft after ``context`` (a draft model must
-        first feed every committed token it has not seen)."""
-        if not isinstance(self.drafter, IncrementalDrafter):
-            return 0.0
-        return self.drafter.pending(context) * self.prefill_cost
-
-    @property
-    def name(self) -> str:
-        return self.drafter.name
-
-    @property
-    def label(self) -> str:
-        """How explanations name this drafter: "ngram", or "draft model <name>"."""
-        models = self.drafter.draft_backends()
-        return f"draft model {models[0].name}" if models else self.drafter.name
 
 
 class SpeculationController(PlannedDrafter):
@@ -192,12 +107,14 @@ class SpeculationController(PlannedDrafter):
             if isinstance(s.drafter, IncrementalDrafter):
                 s.drafter.set_continuation_rule(self._continuation_rule(s))
         self._last: Source | None = None
-        self._last_est: AcceptanceEstimator | TwoRateEstimator | None = None
+        self._last_est: AcceptanceEstimator | FeatureEstimator | TwoRateEstimator | None = None
         self._last_k = 0
         self._last_probe = False
         self._plain_streak = 0
         self._prev_source: Source | None = None  # who drafted the last step, and whether all was accepted
         self._prev_full = False
+        self._run = 0  # drafted tokens accepted in a row
+        self._confidence = 0.5  # the target's top-1 probability at the last verified position
         self.choices: Counter = Counter()  # (drafter name or "none") -> steps, over all generations
         # This generation's books, for explain(): steps drafted by each source, the K they
         # drafted, and (lookup drafters) steps where they had a match.
@@ -282,7 +199,7 @@ class SpeculationController(PlannedDrafter):
         return [s.name for s in self.sources]
 
     def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None,
-             estimator: AcceptanceEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
+             estimator: AcceptanceEstimator | FeatureEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
 
         extra: one-off seconds this step would cost on top (a draft model's catch-up).
@@ -300,6 +217,11 @@ class SpeculationController(PlannedDrafter):
         best = int(np.argmax(rates))  # ties go to the smaller K
         return best, float(rates[best])
 
+    def observe_confidence(self, p_top1: float) -> None:
+        """The target's top-1 probability at the last verified position (a feature of the
+        next step's acceptance: near 1 through a copy)."""
+        self._confidence = float(p_top1)
+
     def observe_verification(self, n: int, seconds: float) -> None:
         """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs);
         when it verified only this generation's block, the guard judges the step."""
@@ -312,7 +234,9 @@ class SpeculationController(PlannedDrafter):
         unsorted: its best K at its estimated acceptance, or a probe."""
         plans = []
         for s in self.sources:
-            est, avail = s.estimator_for(context) if k > 0 else (None, 0)
+            known = StepFeatures(prev_full=s is self._prev_source and self._prev_full, run=self._run,
+                                 confidence=self._confidence)
+            est, avail = s.estimator_for(context, known) if k > 0 else (None, 0)
             if est is None:
                 continue
             self._matched[s.name] += 1
@@ -332,7 +256,7 @@ class SpeculationController(PlannedDrafter):
             # kind of prompt-lookup match, at its prior acceptance.
             probe = False
             if probes and kk == 0 and self._plain_streak >= s.probe_gap:
-                could = (self.plan(s, cap, extra, estimator=est.fresh()) if isinstance(est, TwoRateEstimator)
+                could = (self.plan(s, cap, extra, estimator=est.fresh()) if isinstance(est, FeatureEstimator)
                          else self.plan(s, cap, extra, alpha=1.0))
                 probe = could[0] > 0
             if probe:
@@ -424,6 +348,8 @@ class SpeculationController(PlannedDrafter):
         self._proposed, self._own_verify, self._draft_s = False, None, 0.0
         s = self._last
         self._prev_source, self._prev_full = s, s is not None and num_accepted == self._last_k
+        if s is not None:  # a copy that goes on lengthens the run; a rejection ends it
+            self._run = self._run + num_accepted if num_accepted == self._last_k else 0
         if s is not None:
             s.estimator.update(self._last_k, num_accepted)
             if self._last_est is not None and self._last_est is not s.estimator:

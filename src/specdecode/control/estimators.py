@@ -125,3 +125,117 @@ class TwoRateEstimator:
         k = np.arange(kmax + 1, dtype=np.float64)
         geometric = k if a >= 1.0 else (1.0 - a ** k) / (1.0 - a)
         return 1.0 + a1 * geometric
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    return float(np.log(p / (1 - p)))
+
+
+@dataclass
+class StepFeatures:
+    """What is known before a lookup drafter's step, for :class:`LogisticAcceptance`.
+
+    match_len: tokens the matched occurrence agrees with the context. unique: the matched
+    n-gram was always followed by the same token. prev_full: this drafter's previous draft
+    was accepted whole. run: drafted tokens accepted in a row up to now (the position inside
+    a copied span). confidence: the target's top-1 probability at the last verified
+    position (near 1 through a copy; 0.5 when unknown).
+    """
+
+    match_len: int = 0
+    unique: bool = False
+    prev_full: bool = False
+    run: int = 0
+    confidence: float = 0.5
+
+    def vector(self, k: int) -> np.ndarray:
+        """[k, 7] features of drafted positions j = 1..k (centred, scaled to about [-1, 1])."""
+        j = np.arange(k, dtype=np.float64)
+        base = [np.log1p(self.match_len) / 3 - 0.5, float(self.unique) - 0.5, float(self.prev_full) - 0.5,
+                np.log1p(self.run) / 4 - 0.5, 2 * self.confidence - 1]
+        cols = [np.full(k, v) for v in base]
+        cols.append(np.log1p(j) / 3)  # position in the draft
+        cols.append((2 * self.confidence - 1) * (j == 0))  # confidence speaks mostly for the first token
+        return np.stack(cols, axis=1)
+
+
+class LogisticAcceptance:
+    """Acceptance of each drafted token given the step's features: logistic regression
+    fitted online (stochastic gradient on the log-loss) on top of an offset, the logit of
+    the match kind's :class:`TwoRateEstimator` rate (first token, later tokens). With zero
+    weights it predicts exactly what the rate estimator does; the weights learn how much
+    the features move it (Leviathan et al. 2023's alpha, made conditional).
+
+    Observations: a step that drafted k tokens and accepted n gives label 1 for positions
+    1..n and 0 for position n+1 (when n < k); later positions are not observed.
+    lr: learning rate. l2: weight decay per update.
+    """
+
+    DIM = 7
+
+    def __init__(self, lr: float = 0.1, l2: float = 1e-3) -> None:
+        self.w = np.zeros(self.DIM)
+        self.lr = lr
+        self.l2 = l2
+        self.updates = 0
+
+    @staticmethod
+    def _offsets(rates: TwoRateEstimator, k: int) -> np.ndarray:
+        return np.array([_logit(rates.first.alpha)] + [_logit(rates.then.alpha)] * (k - 1))
+
+    def probabilities(self, rates: TwoRateEstimator, f: StepFeatures, k: int) -> np.ndarray:
+        """[k] P(token j accepted | tokens before it accepted), j = 1..k."""
+        if k <= 0:
+            return np.zeros(0)
+        return _sigmoid(self._offsets(rates, k) + f.vector(k) @ self.w)
+
+    def expected_upto(self, rates: TwoRateEstimator, f: StepFeatures, kmax: int) -> np.ndarray:
+        """[kmax + 1] expected committed tokens of a step drafting k = 0..kmax:
+        1 + sum_{k'<=k} prod_{j<=k'} p_j."""
+        p = self.probabilities(rates, f, kmax)
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(p))])
+
+    def update(self, rates: TwoRateEstimator, f: StepFeatures, k: int, n: int) -> None:
+        m = min(n + 1, k)
+        if m <= 0:
+            return
+        x = f.vector(k)[:m]
+        y = (np.arange(m) < n).astype(np.float64)
+        p = _sigmoid(self._offsets(rates, k)[:m] + x @ self.w)
+        self.w += self.lr * ((y - p) @ x / m - self.l2 * self.w)
+        self.updates += 1
+
+
+@dataclass
+class FeatureEstimator:
+    """The estimate the controller plans a lookup step with: a match kind's rates and the
+    drafter's :class:`LogisticAcceptance` model, at this step's features. Same interface as
+    :class:`TwoRateEstimator` (alpha, expected, expected_upto, update, fresh)."""
+
+    rates: TwoRateEstimator
+    model: LogisticAcceptance
+    features: StepFeatures
+
+    @property
+    def alpha(self) -> float:
+        return float(self.model.probabilities(self.rates, self.features, 1)[0])
+
+    def expected(self, k: int) -> float:
+        return float(self.expected_upto(k)[k])
+
+    def expected_upto(self, kmax: int) -> np.ndarray:
+        return self.model.expected_upto(self.rates, self.features, kmax)
+
+    def update(self, k: int, n: int) -> None:
+        if k <= 0:
+            return
+        self.model.update(self.rates, self.features, k, n)  # before the rates move: the offset it predicted with
+        self.rates.update(k, n)
+
+    def fresh(self) -> TwoRateEstimator:
+        return self.rates.fresh()

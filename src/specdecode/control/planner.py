@@ -58,6 +58,9 @@ class PlannedDrafter(DrafterBase):
     def explain(self) -> str:
         """One line on what the drafters did in the last generation and why."""
 
+    def observe_confidence(self, p_top1: float) -> None:
+        """The target's top-1 probability at the last verified position (default: ignored)."""
+
 
 def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], caps: Sequence[int]) -> None:
     """Choose the K of every generation of a batched step together and hand each planned
@@ -84,6 +87,15 @@ def end_plan(drafter: Drafter) -> str:
         return ""
     drafter.set_quota(None)
     return drafter.explain()
+
+
+def observe_confidence(drafter: Drafter, logits_row) -> None:
+    """Hand a planned drafter the target's top-1 probability of a verified position's
+    logits [V] (one softmax row; others skip it)."""
+    if isinstance(drafter, PlannedDrafter):
+        z = np.asarray(logits_row, dtype=np.float64)
+        m = z.max()
+        drafter.observe_confidence(float(1.0 / np.exp(z - m).sum()))
 
 
 def observe_verification(drafter: Drafter, n: int, seconds: float) -> None:

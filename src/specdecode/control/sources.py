@@ -1,0 +1,116 @@
+"""What the cost-aware controller plans with: the target's T(n) shared by every fork of a
+controller (:class:`SharedCosts`), and each drafter it may use with its cost and acceptance
+estimates (:class:`Source`).
+
+Units: seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..drafters.base import Drafter, IncrementalDrafter, LookupDrafter
+from .costmodel import CostCurve, ObservedCurve, curve_table
+from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, LogisticAcceptance, StepFeatures,
+                         TwoRateEstimator, match_band)
+
+
+class SharedCosts:
+    """T(n) as every fork of one controller plans with it: the curve (measured, or
+    :class:`ObservedCurve` when costs are learned) and its table T[0..n], grown on demand
+    (a batched step reaches n = generations * (kmax + 1))."""
+
+    def __init__(self, curve: CostCurve | ObservedCurve, n_max: int,
+                 on_drift: Callable[[str, CostCurve], None] | None = None) -> None:
+        self.curve = curve
+        self.on_drift = on_drift
+        self.table = self._table(n_max)
+
+    def _table(self, n_max: int) -> np.ndarray:
+        T = self.curve
+        return T.table(n_max) if isinstance(T, ObservedCurve) else curve_table(T, n_max)
+
+    def upto(self, n: int) -> np.ndarray:
+        """T(0..>=n) (T(0) := T(1))."""
+        if len(self.table) <= n:
+            self.table = self._table(max(n, 2 * len(self.table)))
+        return self.table
+
+    def observe(self, n: int, seconds: float, bounds: tuple[float, float], min_samples: int) -> None:
+        T = self.curve
+        if not isinstance(T, ObservedCurve):
+            return
+        T.observe(n, seconds)
+        self.table = self._table(len(self.table) - 1)
+        if self.on_drift is None or T.samples < min_samples:
+            return
+        lo, hi = bounds
+        ratios = T.ratios()[T.trusted()]
+        off = [T.base.ns[j] for j in np.flatnonzero(T.trusted()) if not lo <= T.ratios()[j] <= hi]
+        if not lo <= T.drift <= hi or off:
+            where = f" (at n = {', '.join(map(str, off))})" if off else ""
+            self.on_drift(f"observed step times are {T.drift:.2f}x the measured curve overall, "
+                          f"{ratios.min():.2f}-{ratios.max():.2f}x at the observed sizes{where}, "
+                          f"after {T.samples} steps", T.live_curve())
+            self.on_drift = None
+
+
+@dataclass
+class Source:
+    """One drafter the controller may use, with its cost per drafted token (seconds): the
+    measured value to start with, then an exponential average of what proposals cost."""
+
+    drafter: Drafter
+    draft_cost: float
+    estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    probe_gap: int = 0  # plain steps before the next probe; set by the controller
+    prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
+    # For a LookupDrafter (prompt lookup, suffix): one
+    # acceptance estimate per kind of match, (band index, unique), used instead of ``estimator``,
+    # and the logistic model that conditions it on the step's features (``model``).
+    bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
+    model: LogisticAcceptance | None = None
+
+    def __post_init__(self) -> None:
+        if self.bands is None and isinstance(self.drafter, LookupDrafter):
+            self.bands = {(i, u): TwoRateEstimator(a1, a)
+                          for u, priors in MATCH_PRIORS.items() for i, (a1, a) in enumerate(priors)}
+        if self.bands is not None and self.model is None:
+            self.model = LogisticAcceptance()
+
+    def estimator_for(self, context: Sequence[int], known: StepFeatures | None = None,
+                      ) -> tuple[AcceptanceEstimator | FeatureEstimator | None, int]:
+        """The acceptance estimate that applies after ``context`` and the most tokens this
+        drafter can propose there: (None, 0) when a lookup drafter finds no match. For a
+        lookup drafter the estimate is its match kind's rates conditioned on the step's
+        features: the match, and what the controller knows (``known``: previous draft fully
+        accepted, run of accepted drafts, the target's confidence)."""
+        if self.bands is None:
+            return self.estimator, 1 << 30
+        match = self.drafter.lookup(context)
+        if match.length == 0:
+            return None, 0
+        k = known or StepFeatures()
+        features = StepFeatures(match.length, match.unique, k.prev_full, k.run, k.confidence)
+        return (FeatureEstimator(self.bands[match_band(match.length), match.unique], self.model, features),
+                self.drafter.available(context))
+
+    def catch_up(self, context: Sequence[int]) -> float:
+        """Seconds this drafter needs before it can draft after ``context`` (a draft model must
+        first feed every committed token it has not seen)."""
+        if not isinstance(self.drafter, IncrementalDrafter):
+            return 0.0
+        return self.drafter.pending(context) * self.prefill_cost
+
+    @property
+    def name(self) -> str:
+        return self.drafter.name
+
+    @property
+    def label(self) -> str:
+        """How explanations name this drafter: "ngram", or "draft model <name>"."""
+        models = self.drafter.draft_backends()
+        return f"draft model {models[0].name}" if models else self.drafter.name
