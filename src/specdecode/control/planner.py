@@ -92,10 +92,9 @@ def end_plan(drafter: Drafter) -> str:
 def observe_confidence(drafter: Drafter, logits_row) -> None:
     """Hand a planned drafter the target's top-1 probability of a verified position's
     logits [V] (one softmax row; others skip it)."""
-    if isinstance(drafter, PlannedDrafter):
-        z = np.asarray(logits_row, dtype=np.float64)
-        m = z.max()
-        drafter.observe_confidence(float(1.0 / np.exp(z - m).sum()))
+    if isinstance(drafter, PlannedDrafter):  # once per step: float32 exp (0.3 ms at 152k), float64 sum
+        z = np.asarray(logits_row)
+        drafter.observe_confidence(float(1.0 / np.exp(z - z.max()).sum(dtype=np.float64)))
 
 
 def observe_verification(drafter: Drafter, n: int, seconds: float) -> None:
