@@ -111,6 +111,12 @@ class ScriptedBackend:
             rows.append(row)
         return np.stack(rows) if rows else np.zeros((0, self.n_vocab), dtype=np.float32)
 
+    invariant_block = None  # measured by the engine when a generation asks for batch invariance
+    invariant_mode = False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        self.invariant_mode = on
+
     def rollback(self, n: int, seq: int = 0) -> None:
         assert 0 <= n <= len(self.caches[seq])
         del self.caches[seq][n:]

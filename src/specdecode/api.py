@@ -24,7 +24,7 @@ from .engine import Generation, SpeculativeEngine, drive
 from .errors import SpecDecodeError
 from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, check_text, \
     check_parallel
-from .assembly.loading import load_backend, make_controller, make_drafter
+from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
 from .messages import check_messages
 from .output import GenerationResult, TextDelta
 from .parity import NEAR_TIE_GAP, parity_report
@@ -100,7 +100,7 @@ class Decoder:
                 self.drafter = make_controller(draft, self.target, kmax=k, **opts) if k else NoDrafter()
             else:
                 self.drafter = make_drafter(draft, self.target, **opts)
-            self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel)
+            self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance)
         except BaseException:
             self.target.close()
             raise
@@ -256,7 +256,8 @@ class Decoder:
         their seconds), halves (against the plain run before and the one after: their spread
         says how much the machine's load moved the figure), load_changed (True when the halves differ by
         more than 10%, with a warning line in ``note``), and the parity report of
-        :func:`specdecode.parity.parity_report` for greedy runs and seeded "gumbel" sampling.
+        :func:`specdecode.parity.parity_report` for greedy runs and seeded sampling under the
+        gumbel rule (the default with a seed).
         """
         kwargs.pop("plain", None)
         self._check_open()
@@ -274,15 +275,18 @@ class Decoder:
                               f"{h[1]}x; run it again on a quieter machine for a firm figure")
         given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options")}
         sampling = GenerationOptions.from_kwargs(kwargs.get("options"), **given).sampling
-        if sampling.greedy:
+        if not (sampling.greedy or sampling.keyed and sampling.seed is not None):
+            report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "
+                                          "compares distributions, not tokens"}
+        elif spec.stats.invariant_block and base.stats.invariant_block:
+            # Both batch-invariant: every row had a one-token step's logits, so any difference is a bug.
+            report["parity"] = parity_report(spec, base, 0.0)
+        elif sampling.greedy:
             report["parity"] = parity_report(spec, base)
-        elif sampling.sampling_rule == "gumbel" and sampling.seed is not None:
+        else:
             # The same seed gives the same tokens; gaps are of the noisy log-probabilities,
             # so the logit bound of batched numerics scales by 1 / temperature.
             report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
-        else:
-            report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "
-                                          "compares distributions, not tokens"}
         return spec, base, report
 
 

@@ -19,7 +19,7 @@ from .bench.cli import add_bench_parser, add_bench_serve_parser
 from .heads.cli import add_heads_parser
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs, check_text
+from .limits import BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs, check_text
 from .messages import check_messages
 from .options import add_model_options, add_sampling_options, check_model_args, sampling_from_args, sampling_kwargs
 from .server.cli import add_serve_parser
@@ -43,6 +43,9 @@ def _stats_block(label: str, stats: dict) -> str:
         lines.append("steps by K drafted: " + ", ".join(f"K={k}: {n}" for k, n in stats["k_histogram"].items()))
     if stats.get("controller_note"):
         lines.append(f"controller: {stats['controller_note']}")
+    if stats.get("invariant_block"):
+        lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
+                     "equal one-token steps on this machine, so K and the drafter cannot change the text")
     lines.append(
         f"prefill_s {stats['prefill_s']:.3f}, decode_s {stats['decode_s']:.3f} "
         f"(draft_s {stats['draft_s']:.3f}, verify_s {stats['verify_s']:.3f}), "
@@ -148,7 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_text(stop, f"--stop ({i + 1})")
     prompt, messages = prompt_from_args(args)
     gen_kwargs = dict(messages=messages, max_tokens=args.max_tokens, stop=args.stop or None, logprobs=args.logprobs,
-                      grammar=grammar_from_args(args), **sampling_kwargs(args))
+                      grammar=grammar_from_args(args), batch_invariant=args.batch_invariant, **sampling_kwargs(args))
     label = f"speculative (draft {args.draft}, K={args.num_speculative_tokens})"
 
     with decoder_from_args(args, progress=not args.quiet) as dec:
@@ -223,6 +226,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     add_model_options(g)
     g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="exact cap on generated tokens (default: %(default)s)")
     add_sampling_options(g)
+    g.add_argument("--batch-invariant", choices=BATCH_INVARIANCE, default="auto",
+                   help="verify in blocks whose logits equal one-token steps on this machine (measured once), so "
+                        "that K, the drafter and the batch cannot change a token; 'auto': for seeded sampling "
+                        "(default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     structured = g.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE|-", help="the output is JSON matching this JSON schema")

@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len
+from .control.invariance import measure_invariant_block
 from .control.planner import end_plan, observe_confidence, observe_verification, plan_batch
 from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
@@ -62,6 +63,7 @@ class Generation:
     slot: "Slot"
     k: int
     prompt_len: int
+    invariant: bool = False  # verified batch-invariantly (GenerationOptions.invariant)
 
     @property
     def done(self) -> bool:
@@ -107,11 +109,18 @@ class SpeculativeEngine:
     between steps; each keeps its own sampler, random stream, penalties, grammar, stop
     strings and max_tokens, and rolls back its own sequence.
 
+    Batch invariance: a generation whose options ask for it (seeded sampling, by default) is
+    verified in forwards of at most the target's measured ``invariant_block`` tokens
+    (``invariance(target, seq)`` measures it, once), in the target's batch-invariant mode, and
+    prefills its whole prompt (a cache written by other forwards could differ in the last
+    bits): every row then has the logits of plain decoding, whatever K, drafter or batch.
+
     Raises SpecDecodeError on an out-of-range K or n_slots.
     """
 
     def __init__(self, target: Backend, drafter: Drafter, num_speculative_tokens: int = 4,
-                 n_slots: int | None = None) -> None:
+                 n_slots: int | None = None, invariance: Callable[[Backend, int], int] = measure_invariant_block
+                 ) -> None:
         self.target = target
         self.drafter = drafter
         self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens, allow_auto=False)
@@ -122,6 +131,8 @@ class SpeculativeEngine:
         self.slots = [Slot(i, drafter if i == 0 else drafter.fork(i), target.n_ctx) for i in range(n)]
         self._plain = NoDrafter()  # plain decoding on the same target (GenerationOptions.plain)
         self._uses = 0
+        self._invariance = invariance
+        self._invariant_mode = False  # the target's set_batch_invariant, as last set
 
     def free_slots(self) -> int:
         """Slots without a running generation."""
@@ -166,7 +177,12 @@ class SpeculativeEngine:
                           prompt_len=len(prompt_ids))
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, options.max_tokens,
                                 options.stop, options.logprobs, options.record_top2_gaps, started)
-        gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids))
+        gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
+                         options.invariant)
+        if gen.invariant:
+            out.stats.invariant_block = self._invariant_block(where)
+            where.cached = []  # no reuse: the prompt is prefilled as a fresh start would
+        self._set_invariant(gen.invariant)
         self._prefill(where, gen.committed, gen.drafter)
         where.gen = gen
         self._uses += 1
@@ -197,6 +213,7 @@ class SpeculativeEngine:
         if len({id(g) for g in gens}) != len(gens) or any(g.slot.gen is not g or g.done for g in gens):
             raise SpecDecodeError("step() takes running generations, each once: one has ended or is done")
         caps = [min(gen.k, gen.out.remaining - 1, gen.room) for gen in gens]
+        caps = [min(cap, gen.out.stats.invariant_block - 1) if gen.invariant else cap for gen, cap in zip(gens, caps)]
         if len(gens) > 1:
             plan_batch([g.drafter for g in gens], [g.committed for g in gens], caps)
         blocks = []
@@ -208,23 +225,68 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         items = [SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
                  for gen, (ids, _) in zip(gens, blocks)]
-        # Hidden states only for a forward in which some generation's drafter reads them.
-        hidden_for = {gen.slot.seq for gen in gens if isinstance(gen.drafter, HiddenStateDrafter)}
-        if hidden_for:
-            logits, hidden = self.target.forward_batch_hidden(items, hidden_for)
-        else:
-            logits, hidden = self.target.forward_batch(items), {}
+        logits, hidden, sample = self._forward(gens, items)
         for gen in gens:
             if gen.slot.seq in hidden:
                 gen.drafter.observe_hidden(*hidden[gen.slot.seq])
         verified = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
         t2 = time.perf_counter()
-        observe_verification(gens[0].drafter, sum(len(ids) + 1 for ids, _ in blocks), t2 - t1)
+        observe_verification(gens[0].drafter, sum(len(ids) + 1 for ids, _ in blocks), t2 - t1, sample)
         deltas = []
         for gen, (ids, _), lg, result in zip(gens, blocks, logits, verified):
             gen.out.stats.verify_s += t2 - t1
             deltas.append(self._commit(gen, ids, *result, lg))
         return deltas
+
+    def _forward(self, gens: Sequence[Generation], items: list[SeqForward]) -> tuple[list[np.ndarray], dict, bool]:
+        """The step's forward: one for every generation, except that batch-invariant ones go
+        in forwards of at most invariant_block tokens (in that mode), of their own unless the
+        whole step fits one. Hidden
+        states only for the sequences whose drafter reads them. Returns logits [k_i+1, V] per
+        item, in order, the hidden rows by sequence id, and whether the step's time is a sample
+        of T(n): one forward, timed as the cost curve is (not a lone step on one thread)."""
+        hidden_for = {gen.slot.seq for gen in gens if isinstance(gen.drafter, HiddenStateDrafter)}
+        block = max((g.out.stats.invariant_block for g in gens if g.invariant), default=0)
+        if block and sum(len(it.token_ids) for it in items) <= block:
+            groups = [(list(range(len(gens))), True)]  # it all fits one batch-invariant forward
+        else:
+            groups = [([i for i, g in enumerate(gens) if not g.invariant], False)]
+        for i, gen in enumerate(gens if len(groups[0][0]) < len(gens) else ()):  # packed while they fit
+            last, invariant = groups[-1]
+            rows = sum(len(items[j].token_ids) for j in last) + len(items[i].token_ids)
+            if gen.invariant and (invariant and rows <= gen.out.stats.invariant_block):
+                last.append(i)
+            elif gen.invariant:
+                groups.append(([i], True))
+        logits: list = [None] * len(items)
+        hidden: dict = {}
+        for idx, invariant in groups:
+            if not idx:
+                continue
+            self._set_invariant(invariant)
+            part, want = [items[i] for i in idx], {items[i].seq for i in idx} & hidden_for
+            if want:
+                out, more = self.target.forward_batch_hidden(part, want)
+                hidden.update(more)
+            else:
+                out = self.target.forward_batch(part)
+            for i, lg in zip(idx, out):
+                logits[i] = lg
+        used = [g for g in groups if g[0]]
+        return logits, hidden, len(used) == 1 and not (used[0][1] and len(items) == 1 and len(items[0].token_ids) == 1)
+
+    def _set_invariant(self, on: bool) -> None:
+        if on != self._invariant_mode:
+            self.target.set_batch_invariant(on)
+            self._invariant_mode = on
+
+    def _invariant_block(self, slot: Slot) -> int:
+        """The target's invariant_block, measured on the slot's sequence the first time."""
+        if self.target.invariant_block is None:
+            slot.cached = []
+            self._invariant_mode = False
+            self.target.invariant_block = max(1, int(self._invariance(self.target, slot.seq)))
+        return self.target.invariant_block
 
     def _draft(self, gen: Generation, k: int) -> tuple[list[int], np.ndarray | None]:
         """Up to k drafted ids (cut where the grammar rejects one) and their probs [k, V]."""

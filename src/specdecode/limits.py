@@ -51,9 +51,16 @@ DEFAULT_N_CTX = 4096
 # How a sampled generation verifies drafts. "gumbel": the target's token at each position is
 # the Gumbel-max choice with noise keyed by (seed, position), so a seed fixes the text at any
 # K, with any drafter, alone or in a batch; "rejection": Leviathan et al.'s rejection rule
-# (Algorithm 1), whose random draws depend on K.
-SAMPLING_RULES = ("gumbel", "rejection")
-DEFAULT_SAMPLING_RULE = "gumbel"
+# (Algorithm 1), whose random draws depend on K and which accepts more of a draft model's
+# sampled drafts; "auto": gumbel when a seed is given (the user asked for a fixed text),
+# rejection otherwise (the higher acceptance).
+SAMPLING_RULES = ("auto", "gumbel", "rejection")
+DEFAULT_SAMPLING_RULE = "auto"
+# Batch-invariant verification (GenerationOptions.batch_invariant): every verified row gets
+# the logits a one-token step would give, so that K and the batch cannot change a token.
+# "auto": on for seeded sampling under the gumbel rule (where the seed promises a text);
+# "on": also for greedy and unseeded generations; "off": never.
+BATCH_INVARIANCE = ("auto", "on", "off")
 MIN_N_CTX = 16  # the smallest context window a backend accepts, in tokens
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_DTYPE = "float32"

@@ -96,12 +96,13 @@ def add_sampling_options(p: argparse.ArgumentParser, seed: int | None = None) ->
     for flag, field, kind, help_text in SAMPLING_OPTIONS:
         p.add_argument(flag, type=kind, default=getattr(defaults, field), help=f"{help_text} (default: %(default)s)")
     p.add_argument("--seed", type=int, default=seed,
-                   help="same seed, same output: at any K, with any drafter, alone or in a batch under the "
-                        "default --sampling-rule (default: %(default)s)")
+                   help="same seed, same output: at any K, with any drafter or none, alone or in a batch under "
+                        "the default --sampling-rule (default: %(default)s)")
     p.add_argument("--sampling-rule", choices=SAMPLING_RULES, default=DEFAULT_SAMPLING_RULE,
                    help="how sampled drafts are verified: 'gumbel', each position's token the Gumbel-max choice "
                         "under noise keyed by (seed, position), so a seed fixes the text; 'rejection', Leviathan "
-                        "et al.'s rule, whose draws depend on K (default: %(default)s)")
+                        "et al.'s rule, whose draws depend on K and which accepts more of a draft model's drafts; "
+                        "'auto', gumbel with a --seed, rejection without (default: %(default)s)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import (DEFAULT_MAX_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, check_logprobs, check_num_speculative_tokens,
+from .limits import (BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, check_logprobs, check_num_speculative_tokens,
                      check_text, is_int)
 from .sampling import SamplingParams
 
@@ -31,6 +31,10 @@ class GenerationOptions:
     plain: decode without the drafter (the baseline on the same loaded target).
     num_speculative_tokens: K for this generation (0..MAX_NUM_SPECULATIVE_TOKENS), or None
         for the engine's.
+    batch_invariant: "auto" (on for seeded sampling under the gumbel rule), "on" or "off"
+        (:data:`specdecode.limits.BATCH_INVARIANCE`): verify in forwards whose every row has
+        the logits of a one-token step (:attr:`invariant`), so that no choice of K, drafter or
+        batch can change a token, at the cost of smaller verification blocks.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -43,6 +47,14 @@ class GenerationOptions:
     grammar: Grammar | None = None
     plain: bool = False
     num_speculative_tokens: int | None = None
+    batch_invariant: str = "auto"
+
+    @property
+    def invariant(self) -> bool:
+        """Whether this generation verifies batch-invariantly (see batch_invariant)."""
+        if self.batch_invariant == "auto":
+            return self.sampling.keyed and self.sampling.seed is not None
+        return self.batch_invariant == "on"
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -79,6 +91,9 @@ class GenerationOptions:
                                   f"{self.grammar!r}", param="grammar")
         if self.num_speculative_tokens is not None:
             check_num_speculative_tokens(self.num_speculative_tokens, allow_auto=False)
+        if self.batch_invariant not in BATCH_INVARIANCE:
+            raise SpecDecodeError(f"batch_invariant = {self.batch_invariant!r} is not one of "
+                                  f"{', '.join(BATCH_INVARIANCE)}", param="batch_invariant")
         for name in ("record_top2_gaps", "plain"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)

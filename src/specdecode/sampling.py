@@ -43,11 +43,13 @@ class SamplingParams:
         -1 means the whole context. As llama.cpp's ``repeat_last_n`` (default 64).
     seed: seed of the random generator; None draws one from the OS.
     sampling_rule: how drafts are verified under sampling (:data:`specdecode.limits.SAMPLING_RULES`):
-        "gumbel" (default): every position's token is the Gumbel-max choice under noise keyed
-        by (seed, position), so the same seed gives the same text at any K, with any drafter
-        or none, alone or in a batch; "rejection": the rejection rule of Leviathan et al.
+        "gumbel": every position's token is the Gumbel-max choice under noise keyed by
+        (seed, position), so the same seed gives the same text at any K, with any drafter or
+        none, alone or in a batch; "rejection": the rejection rule of Leviathan et al.
         (Algorithm 1) / Chen et al. (Algorithm 2), which uses a draft model's probabilities
-        and draws from one stream whose use depends on K. Both keep the target's distribution.
+        and draws from one stream whose use depends on K (it accepts more of a draft model's
+        sampled drafts); "auto" (default): gumbel when a seed is given, else rejection. All
+        keep the target's distribution.
 
     Raises SpecDecodeError naming the value when a field is out of range.
     """
@@ -94,6 +96,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def keyed(self) -> bool:
+        """Sampling under the gumbel rule: "gumbel", or "auto" with a seed."""
+        rule = self.sampling_rule
+        return not self.greedy and (rule == "gumbel" or rule == "auto" and self.seed is not None)
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -128,8 +136,9 @@ class Sampler:
 
     @property
     def keyed(self) -> bool:
-        """Sampled tokens are Gumbel-max choices under position-keyed noise ("gumbel" rule)."""
-        return not self.params.greedy and self.params.sampling_rule == "gumbel"
+        """Sampled tokens are Gumbel-max choices under position-keyed noise (the "gumbel"
+        rule, or "auto" with a seed)."""
+        return self.params.keyed
 
     def noise(self, index: int, n_vocab: int) -> np.ndarray:
         """Exponential draws E [V] (E_i ~ Exp(1), float32) for the token at absolute index

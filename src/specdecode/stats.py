@@ -27,6 +27,8 @@ class Stats:
         acceptance.
     controller_note: what the cost-aware controller chose and why, in one line ("" when
         the drafter has nothing to say).
+    invariant_block: 0, or for a batch-invariant generation the most tokens one of its
+        verifications held (the target's measured invariant_block).
     """
 
     prompt_tokens: int = 0
@@ -45,6 +47,7 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     controller_note: str = ""
+    invariant_block: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -104,4 +107,5 @@ class Stats:
             "verify_s": round(self.verify_s, 4),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "controller_note": self.controller_note,
+            "invariant_block": self.invariant_block,
         }

@@ -15,6 +15,7 @@ from . import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
 from ..control.controller import SpeculationController, Source
+from ..control.invariance import cached_invariant_block
 from ..control.measure import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..drafters import Drafter, NoDrafter
 from ..drafters.kinds import AUTO, DraftRequest, auto_kinds, check_draft_options, kind_of
@@ -146,6 +147,12 @@ def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: i
                                        on_drift=lambda why, live: rewrite_from_live(target, cache, live, why))
     controller.measurement_note = measured.note()
     return controller
+
+
+def cached_invariance(target: Backend, seq: int) -> int:
+    """The target's invariant block (:func:`specdecode.control.invariance.measure_invariant_block`),
+    measured once per model and machine and cached beside its cost curve."""
+    return cached_invariant_block(target, seq, registry.cache_dir())
 
 
 def _source(drafter: Drafter, cost_s: float | None) -> Source:

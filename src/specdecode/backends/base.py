@@ -85,6 +85,8 @@ class Backend(Protocol):
     device: str  # where the weights live ("cpu", "cuda")
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
     supports_hidden_states: bool  # forward_batch_hidden() / make_heads() serve draft heads
+    # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
+    invariant_block: int | None
 
     @property
     def cost_key(self) -> str:
@@ -143,6 +145,13 @@ class Backend(Protocol):
         each item whose sequence id is in hidden_for, by sequence id (only where
         supports_hidden_states; the logits are those forward_batch gives)."""
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Compute the following forwards batch-invariantly (on) or as fast as possible (off):
+        batch-invariant, every row of a forward of at most ``invariant_block`` tokens gets
+        exactly the logits, and writes exactly the cache, of one-token forwards. Which block
+        sizes hold is measured on the machine, not assumed
+        (:func:`specdecode.control.measure.measure_invariant_block`)."""
+
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop sequence seq's cached positions >= n (0 <= n <= seq_len(seq))."""
 
@@ -176,6 +185,7 @@ class BackendBase:
     device: str = "cpu"
     supports_greedy_draft = False
     supports_hidden_states = False
+    invariant_block: int | None = None
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len
@@ -226,6 +236,9 @@ class BackendBase:
 
     def supports_output_subset(self) -> bool:
         return False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """No setting: what the forwards give is what the measurement finds."""
 
     def forward_batch_hidden(self, items: Sequence[SeqForward],
                              hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:

@@ -413,6 +413,14 @@ class LlamaCppBackend(BackendBase):
 
         return run
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Batch-invariant forwards (see the contract): one-token forwards on one thread (with
+        more, ggml-cpu's flash attention splits a lone query's KV range of >= 512 cells among
+        them, as no block does); blocks of a few rows run the lone step's kernels (repacked
+        weights change kernels at 4 rows, tiled at 8): the engine keeps to ``invariant_block``."""
+        self._require_open()
+        self._lib.llama_set_n_threads(self._ctx, 1 if on else self.n_threads, self.n_threads)
+
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop sequence seq's cached positions >= n (llama_memory_seq_rm over [n, end))."""
         self._require_open()
@@ -430,15 +438,10 @@ class LlamaCppBackend(BackendBase):
         lib = getattr(self, "_lib", None)
         if lib is None:
             return
-        if self._batch is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lib.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            lib.llama_model_free(self._model)
-            self._model = None
+        for attr, free in (("_batch", lib.llama_batch_free), ("_ctx", lib.llama_free), ("_model", lib.llama_model_free)):
+            if getattr(self, attr):
+                free(getattr(self, attr))
+                setattr(self, attr, None)
 
     def __del__(self) -> None:
         try:

@@ -34,7 +34,7 @@ from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX,
                       MAX_NUM_SPECULATIVE_TOKENS)
-from ..assembly.loading import make_controller, make_drafter
+from ..assembly.loading import cached_invariance, make_controller, make_drafter
 from ..output import GenerationResult
 from ..parity import parity_report
 from ..sampling import SamplingParams
@@ -136,9 +136,10 @@ def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, Spec
             continue
         if k == "auto":
             drafter = make_controller(draft, target, kmax=AUTO_KMAX, **opts)
-            engines[f"{draft}:{k}"] = SpeculativeEngine(target, drafter, AUTO_KMAX)
+            engines[f"{draft}:{k}"] = SpeculativeEngine(target, drafter, AUTO_KMAX, invariance=cached_invariance)
         else:
-            engines[f"{draft}:{k}"] = SpeculativeEngine(target, make_drafter(draft, target, **opts), k)
+            engines[f"{draft}:{k}"] = SpeculativeEngine(target, make_drafter(draft, target, **opts), k,
+                                                        invariance=cached_invariance)
 
 
 def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationResult, plain_rate: float, greedy: bool,

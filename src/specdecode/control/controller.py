@@ -222,10 +222,12 @@ class SpeculationController(PlannedDrafter):
         next step's acceptance: near 1 through a copy)."""
         self._confidence = float(p_top1)
 
-    def observe_verification(self, n: int, seconds: float) -> None:
-        """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs);
-        when it verified only this generation's block, the guard judges the step."""
-        self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
+    def observe_verification(self, n: int, seconds: float, sample: bool = True) -> None:
+        """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs) when
+        it is a sample of the curve; when it verified only this generation's block, the guard
+        judges the step."""
+        if sample:
+            self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
         k = self._last_k if self._proposed else 0
         self._own_verify = seconds if n <= k + 1 else None
 

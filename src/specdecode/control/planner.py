@@ -51,8 +51,10 @@ class PlannedDrafter(DrafterBase):
         """The batch planner's K for the next proposal (after an offer); None: alone."""
 
     @abstractmethod
-    def observe_verification(self, n: int, seconds: float) -> None:
-        """The target verified n tokens (last committed + drafts) in ``seconds``."""
+    def observe_verification(self, n: int, seconds: float, sample: bool = True) -> None:
+        """The target verified n tokens (last committed + drafts) in ``seconds``; sample: the
+        time is one forward of n tokens as the cost curve times them (False for a forward in
+        batch-invariant mode on one thread, or a step split into several forwards)."""
 
     @abstractmethod
     def explain(self) -> str:
@@ -97,7 +99,7 @@ def observe_confidence(drafter: Drafter, logits_row) -> None:
         drafter.observe_confidence(float(1.0 / np.exp(z - z.max()).sum(dtype=np.float64)))
 
 
-def observe_verification(drafter: Drafter, n: int, seconds: float) -> None:
+def observe_verification(drafter: Drafter, n: int, seconds: float, sample: bool = True) -> None:
     """Hand a verification's timing to a planned drafter (others ignore it)."""
     if isinstance(drafter, PlannedDrafter):
-        drafter.observe_verification(n, seconds)
+        drafter.observe_verification(n, seconds, sample)
