@@ -84,3 +84,49 @@ def test_controller_learns_acceptance_per_match_length():
     assert src.bands[5, True].alpha > 0.95 and ks_long[-1] == 8
     assert ks_short[0] > 0 and src.bands[2, True].alpha < 0.2 and ks_short[-4:] == [0, 0, 0, 0]
     assert src.bands[3, True].alpha == pytest.approx(0.85)  # an unused kind keeps its prior
+
+
+def _reference_lookup(context, max_ngram=3, min_ngram=1, max_match=64):
+    """The lookup by a full pass over the text (numpy), as it was before the incremental index."""
+    import numpy as np
+    from specdecode.drafters.base import Match
+
+    ctx = np.asarray(context, dtype=np.int64)
+    L = len(ctx)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)
+        hits = np.flatnonzero((windows == ctx[L - n:]).all(axis=1))
+        if not len(hits):
+            continue
+        lengths = np.full(len(hits), n)
+        alive = np.ones(len(hits), dtype=bool)
+        for j in range(n, min(max_match, L - 1)):
+            pos = hits - (j - n) - 1
+            ok = alive & (pos >= 0)
+            ok[ok] = ctx[pos[ok]] == ctx[L - 1 - j]
+            if not ok.any():
+                break
+            lengths[ok] += 1
+            alive = ok
+        best = int(np.flatnonzero(lengths == lengths.max())[-1])
+        following = ctx[hits + n]
+        return Match(int(lengths[best]), int(hits[best]) + n, bool((following == following[0]).all()))
+    return Match(0, -1, False)
+
+
+@pytest.mark.parametrize("vocab", [3, 8, 50])
+def test_the_incremental_index_finds_what_a_full_pass_finds(vocab):
+    """The lookup indexes each new token once per step; on growing texts (and a new text
+    given without start(), a copy of the prompt, max_match reached) it answers as a full pass."""
+    import numpy as np
+
+    rng = np.random.default_rng(vocab)
+    d = NgramDrafter(max_match=12)
+    for trial in range(6):
+        text = [int(t) for t in rng.integers(0, vocab, size=5)]
+        if trial % 2:
+            text += text * 3  # long copies
+        for _ in range(60):
+            assert d.lookup(text) == _reference_lookup(text, max_match=12), (trial, len(text))
+            text.append(int(rng.integers(0, vocab)) if rng.random() < 0.5 else text[len(text) // 2])
+        assert d.lookup(list(text)) == _reference_lookup(text, max_match=12)  # another list: read afresh

@@ -173,3 +173,16 @@ def test_the_auto_rule_is_gumbel_with_a_seed_and_rejection_without():
     assert not SamplingParams(temperature=1.0).keyed
     assert SamplingParams(temperature=1.0, sampling_rule="gumbel").keyed
     assert not SamplingParams(temperature=0.0, seed=3).keyed
+
+
+def test_auto_does_not_trade_all_speculation_for_invariance():
+    """Where no block of 2 equals two one-token steps (a block of 1), "auto" verifies as usual
+    (and says so: invariant_block 0); "on" still holds to it, drafting nothing."""
+    t = VariantLM()
+    t.invariant_block = 1
+    eng = SpeculativeEngine(t, NgramDrafter(), 4, n_slots=1)
+    auto = seeded(eng, 2)
+    assert auto.stats.invariant_block == 0 and auto.stats.drafted > 0
+    on = seeded(eng, 2, batch_invariant="on")
+    assert on.stats.invariant_block == 1 and on.stats.drafted == 0
+    assert on.token_ids == plain_tokens([2], batch_invariant="on")[0]

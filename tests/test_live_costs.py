@@ -331,3 +331,25 @@ def test_k_follows_the_learned_acceptance_model():
     c.observe(0)
     c.observe_confidence(0.97)
     assert len(c.propose([1, 2, 3], 8).token_ids) >= 4
+
+
+@pytest.mark.parametrize("explore_every", [64, 10**9], ids=["explores", "negative-control"])
+def test_a_curve_too_steep_to_ever_draft_is_explored_and_corrected(explore_every):
+    """A cached curve measured under load can say that no draft ever pays (T(3) = 4 T(1));
+    never drafting, the controller would never observe T(3) and never learn otherwise. Every
+    explore_every plain steps a lookup with a match probes anyway; the live T(3) then corrects
+    the curve and the controller drafts. Without exploration it stays plain for good."""
+    steep = CostCurve(COST_CURVE_NS, tuple(IDLE(1) * (1.0 if n == 1 else 1.3 * n) for n in COST_CURVE_NS))
+    c = SpeculationController([Source(Lookup(), 0.0)], steep, kmax=8, learn_costs=True, explore_every=explore_every)
+    c.guard = SpeedGuard(window=10**6)
+    ks = []
+    for _ in range(300):
+        k = len(c.propose([1, 2, 3], 8).token_ids)
+        c.observe_verification(k + 1, IDLE(k + 1))  # the machine is idle: the real curve
+        c.observe(k)  # every draft right
+        ks.append(k)
+    assert ks[:60].count(0) == 60  # the steep curve keeps it plain at first
+    if explore_every < 300:
+        assert sum(k > 0 for k in ks[-50:]) >= 40, ks
+    else:
+        assert not any(ks), ks

@@ -109,8 +109,9 @@ class SpeculativeEngine:
     between steps; each keeps its own sampler, random stream, penalties, grammar, stop
     strings and max_tokens, and rolls back its own sequence.
 
-    Batch invariance: a generation whose options ask for it (seeded sampling, by default) is
-    verified in forwards of at most the target's measured ``invariant_block`` tokens
+    Batch invariance: a generation whose options ask for it (seeded sampling, by default, where
+    the measured block holds at least 2 tokens) is verified in forwards of at most the
+    target's measured ``invariant_block`` tokens
     (``invariance(target, seq)`` measures it, once), in the target's batch-invariant mode, and
     prefills its whole prompt (a cache written by other forwards could differ in the last
     bits): every row then has the logits of plain decoding, whatever K, drafter or batch.
@@ -180,7 +181,12 @@ class SpeculativeEngine:
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
                          options.invariant)
         if gen.invariant:
-            out.stats.invariant_block = self._invariant_block(where)
+            block = self._invariant_block(where)
+            # "auto" does not trade all speculation for it: with a block of 1 (no forward of two
+            # tokens equals two one-token steps) the generation verifies as usual instead.
+            gen.invariant = block >= 2 or options.batch_invariant == "on"
+            out.stats.invariant_block = block if gen.invariant else 0
+        if gen.invariant:
             where.cached = []  # no reuse: the prompt is prefilled as a fresh start would
         self._set_invariant(gen.invariant)
         self._prefill(where, gen.committed, gen.drafter)

@@ -31,7 +31,8 @@ class GenerationOptions:
     plain: decode without the drafter (the baseline on the same loaded target).
     num_speculative_tokens: K for this generation (0..MAX_NUM_SPECULATIVE_TOKENS), or None
         for the engine's.
-    batch_invariant: "auto" (on for seeded sampling under the gumbel rule), "on" or "off"
+    batch_invariant: "auto" (on for seeded sampling under the gumbel rule, where the target's
+        measured invariant block holds at least 2 tokens), "on" or "off"
         (:data:`specdecode.limits.BATCH_INVARIANCE`): verify in forwards whose every row has
         the logits of a one-token step (:attr:`invariant`), so that no choice of K, drafter or
         batch can change a token, at the cost of smaller verification blocks.

@@ -69,6 +69,10 @@ class SpeculationController(PlannedDrafter):
     undone). A probe that fails doubles that drafter's gap (up to max_probe_gap): probing a
     draft model costs its catch-up over the skipped tokens plus a wider verification, which
     on a compute-bound CPU is a measurable loss when drafts keep failing.
+    explore_every: after this many plain steps in a row (and the probe gap), a lookup drafter
+    with a match probes even when the curve says no draft could pay: a curve that is too
+    steep (measured or cached under load) would otherwise never be observed, so never
+    corrected. A lookup's probe costs one block of 3 tokens.
 
     A controller with a source that is a :class:`HiddenStateDrafter` (draft heads) is one
     itself (constructing one gives a :class:`HiddenStateController`), so that the engine
@@ -90,7 +94,7 @@ class SpeculationController(PlannedDrafter):
     def __init__(self, sources: Sequence[Source], target_cost: CostCurve, kmax: int = AUTO_KMAX,
                  probe_every: int = 16, max_probe_gap: int = 256, learn_costs: bool = False,
                  on_drift: Callable[[str, CostCurve], None] | None = None, shared: SharedCosts | None = None,
-                 guard: SpeedGuard | None = None):
+                 guard: SpeedGuard | None = None, explore_every: int = 64):
         if not sources:
             raise ValueError("the controller needs at least one drafter")
         self.sources = list(sources)
@@ -102,6 +106,7 @@ class SpeculationController(PlannedDrafter):
         self._offered: tuple | None = None  # (source, estimator) of the last offer
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
+        self.explore_every = explore_every
         for s in self.sources:
             s.probe_gap = probe_every
             if isinstance(s.drafter, IncrementalDrafter):
@@ -144,7 +149,8 @@ class SpeculationController(PlannedDrafter):
         to start from), its own acceptance estimates (from the priors)."""
         sources = [Source(s.drafter.fork(seq), s.draft_cost, prefill_cost=s.prefill_cost) for s in self.sources]
         return SpeculationController(sources, self._base_cost, kmax=self.kmax, probe_every=self.probe_every,
-                                     max_probe_gap=self.max_probe_gap, shared=self._costs)
+                                     max_probe_gap=self.max_probe_gap, shared=self._costs,
+                                     explore_every=self.explore_every)
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
         for s in self.sources:
@@ -217,10 +223,17 @@ class SpeculationController(PlannedDrafter):
         best = int(np.argmax(rates))  # ties go to the smaller K
         return best, float(rates[best])
 
-    def observe_confidence(self, p_top1: float) -> None:
+    def observe_confidence(self, p_top1: float | Callable[[], float]) -> None:
         """The target's top-1 probability at the last verified position (a feature of the
-        next step's acceptance: near 1 through a copy)."""
-        self._confidence = float(p_top1)
+        next step's acceptance: near 1 through a copy), or a function that computes it: it is
+        then computed only when a lookup drafter has a match to plan with."""
+        self._confidence = p_top1
+
+    @property
+    def confidence(self) -> float:
+        if callable(self._confidence):
+            self._confidence = float(self._confidence())
+        return self._confidence
 
     def observe_verification(self, n: int, seconds: float, sample: bool = True) -> None:
         """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs) when
@@ -236,8 +249,8 @@ class SpeculationController(PlannedDrafter):
         unsorted: its best K at its estimated acceptance, or a probe."""
         plans = []
         for s in self.sources:
-            known = StepFeatures(prev_full=s is self._prev_source and self._prev_full, run=self._run,
-                                 confidence=self._confidence)
+            known = lambda s=s: StepFeatures(prev_full=s is self._prev_source and self._prev_full,  # noqa: E731
+                                             run=self._run, confidence=self.confidence)
             est, avail = s.estimator_for(context, known) if k > 0 else (None, 0)
             if est is None:
                 continue
@@ -260,7 +273,8 @@ class SpeculationController(PlannedDrafter):
             if probes and kk == 0 and self._plain_streak >= s.probe_gap:
                 could = (self.plan(s, cap, extra, estimator=est.fresh()) if isinstance(est, FeatureEstimator)
                          else self.plan(s, cap, extra, alpha=1.0))
-                probe = could[0] > 0
+                probe = could[0] > 0 or (s.bands is not None and self._plain_streak >= max(s.probe_gap,
+                                                                                          self.explore_every))
             if probe:
                 kk, rate = min(2, cap), -s.draft_cost  # cheapest probe first
             plans.append((rate, s, kk, probe, est, cap))

@@ -146,7 +146,7 @@ class ObservedCurve:
     def drift(self) -> float:
         """The overall ratio observed / measured (1.0 before any sample): far from 1, the
         measurement no longer describes the machine."""
-        return float(np.median(self._all)) if self._all else 1.0
+        return _median(self._all) if self._all else 1.0
 
     def observe(self, n: int, seconds: float) -> None:
         """One step forwarded n tokens in ``seconds``."""
@@ -166,20 +166,25 @@ class ObservedCurve:
         if self._values is not None:
             return self._values
         trusted = self.trusted()
-        ratio = np.array([float(np.median(d)) if trusted[j] else self.drift for j, d in enumerate(self._recent)])
+        drift = self.drift  # every step plans with these: small medians in Python, not numpy (about 20x faster)
+        ratio = np.array([_median(d) if ok else drift for d, ok in zip(self._recent, trusted)])
         n = self._ns
         if trusted.any() and not trusted.all():  # untrusted: the ratio of the trusted neighbours
             ratio[~trusted] = np.interp(n[~trusted], n[trusted], ratio[trusted])
         v = self._base_s * ratio
-        if trusted.any() and not trusted.all():
-            for j in np.flatnonzero(~trusted):
-                below = trusted & (n < n[j])
-                above = trusted & (n > n[j])
-                lo = self.FALL * v[below].max() if below.any() else 0.0
-                hi = min([self.RISE * v[above].min()] if above.any() else [np.inf])
-                if j > 0:  # every smaller size, already kept in bounds (sizes ascend)
-                    hi = min(hi, self.PER_TOKEN * float(np.min(v[:j] / n[:j])) * n[j])
-                v[j] = min(max(v[j], lo), max(hi, lo))
+        if trusted.any() and not trusted.all():  # in Python floats: a few dozen sizes, every step
+            vs, ns, ok = v.tolist(), n.tolist(), trusted.tolist()
+            for j in range(len(vs)):
+                if ok[j]:
+                    continue
+                below = [vs[i] for i in range(j) if ok[i]]  # sizes ascend
+                above = [vs[i] for i in range(j + 1, len(vs)) if ok[i]]
+                lo = self.FALL * max(below) if below else 0.0
+                hi = self.RISE * min(above) if above else float("inf")
+                if j > 0:  # every smaller size, already kept in bounds
+                    hi = min(hi, self.PER_TOKEN * min(vs[i] / ns[i] for i in range(j)) * ns[j])
+                vs[j] = min(max(vs[j], lo), max(hi, lo))
+            v = np.asarray(vs)
         self._values = v
         return v
 
@@ -200,6 +205,13 @@ class ObservedCurve:
     def live_curve(self) -> CostCurve:
         """The curve as now planned with, at the measured sizes (what a cache rewrite stores)."""
         return CostCurve(self.base.ns, tuple(float(x) for x in self.values()))
+
+
+def _median(xs) -> float:
+    """The median of a few floats (a deque of at most 2 windows)."""
+    s = sorted(xs)
+    m = len(s) // 2
+    return float(s[m]) if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
 
 
 def curve_table(curve: CostCurve, n_max: int) -> np.ndarray:

@@ -18,6 +18,11 @@ from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, Lo
                          TwoRateEstimator, match_band)
 
 
+# The drift check reads every trusted size's median: done every few steps, not every step (a
+# rewrite then comes at most this many steps later; on a 30 ms step the check costs ~0.1 ms).
+DRIFT_CHECK_EVERY = 4
+
+
 class SharedCosts:
     """T(n) as every fork of one controller plans with it: the curve (measured, or
     :class:`ObservedCurve` when costs are learned) and its table T[0..n], grown on demand
@@ -27,7 +32,15 @@ class SharedCosts:
                  on_drift: Callable[[str, CostCurve], None] | None = None) -> None:
         self.curve = curve
         self.on_drift = on_drift
-        self.table = self._table(n_max)
+        self._n_max = n_max
+        self._table_now: np.ndarray | None = None  # recomputed when asked after an observation
+
+    @property
+    def table(self) -> np.ndarray:
+        """T(0..n_max) as now planned with."""
+        if self._table_now is None:
+            self._table_now = self._table(self._n_max)
+        return self._table_now
 
     def _table(self, n_max: int) -> np.ndarray:
         T = self.curve
@@ -35,8 +48,8 @@ class SharedCosts:
 
     def upto(self, n: int) -> np.ndarray:
         """T(0..>=n) (T(0) := T(1))."""
-        if len(self.table) <= n:
-            self.table = self._table(max(n, 2 * len(self.table)))
+        if self._n_max < n:
+            self._n_max, self._table_now = max(n, 2 * self._n_max), None
         return self.table
 
     def observe(self, n: int, seconds: float, bounds: tuple[float, float], min_samples: int) -> None:
@@ -44,12 +57,13 @@ class SharedCosts:
         if not isinstance(T, ObservedCurve):
             return
         T.observe(n, seconds)
-        self.table = self._table(len(self.table) - 1)
-        if self.on_drift is None or T.samples < min_samples:
+        self._table_now = None
+        if self.on_drift is None or T.samples < min_samples or T.samples % DRIFT_CHECK_EVERY:
             return
         lo, hi = bounds
-        ratios = T.ratios()[T.trusted()]
-        off = [T.base.ns[j] for j in np.flatnonzero(T.trusted()) if not lo <= T.ratios()[j] <= hi]
+        all_ratios, trusted = T.ratios(), T.trusted()
+        ratios = all_ratios[trusted]
+        off = [T.base.ns[j] for j in np.flatnonzero(trusted) if not lo <= all_ratios[j] <= hi]
         if not lo <= T.drift <= hi or off:
             where = f" (at n = {', '.join(map(str, off))})" if off else ""
             self.on_drift(f"observed step times are {T.drift:.2f}x the measured curve overall, "
@@ -81,19 +95,20 @@ class Source:
         if self.bands is not None and self.model is None:
             self.model = LogisticAcceptance()
 
-    def estimator_for(self, context: Sequence[int], known: StepFeatures | None = None,
+    def estimator_for(self, context: Sequence[int], known: StepFeatures | Callable[[], StepFeatures] | None = None,
                       ) -> tuple[AcceptanceEstimator | FeatureEstimator | None, int]:
         """The acceptance estimate that applies after ``context`` and the most tokens this
         drafter can propose there: (None, 0) when a lookup drafter finds no match. For a
         lookup drafter the estimate is its match kind's rates conditioned on the step's
         features: the match, and what the controller knows (``known``: previous draft fully
-        accepted, run of accepted drafts, the target's confidence)."""
+        accepted, run of accepted drafts, the target's confidence; or a function giving them,
+        called only when there is a match)."""
         if self.bands is None:
             return self.estimator, 1 << 30
         match = self.drafter.lookup(context)
         if match.length == 0:
             return None, 0
-        k = known or StepFeatures()
+        k = (known() if callable(known) else known) or StepFeatures()
         features = StepFeatures(match.length, match.unique, k.prev_full, k.run, k.confidence)
         return (FeatureEstimator(self.bands[match_band(match.length), match.unique], self.model, features),
                 self.drafter.available(context))

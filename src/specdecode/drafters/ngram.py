@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from ..errors import SpecDecodeError
 from .base import ContextMemo, Draft, LookupDrafter, Match
 
@@ -40,6 +38,15 @@ class NgramDrafter(LookupDrafter):
         self.max_match = max_match
         self.last_match_len = 0  # match length behind the latest proposal (0: none)
         self._memo = ContextMemo(self._lookup)
+        self._reset_index(None)
+
+    def _reset_index(self, context: Sequence[int] | None) -> None:
+        # n -> {n-gram: [end positions, ascending]} over the context read so far. A generation's
+        # committed list only grows, so each step indexes only its new tokens, and a lookup
+        # costs its occurrences, not a pass over the whole text.
+        self._index: dict[int, dict[tuple, list[int]]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._indexed = 0  # n-grams ending before this position are indexed
+        self._of = context  # the list they were read from
 
     def fork(self, seq: int) -> "NgramDrafter":
         """The same lookup for another generation (it only reads that generation's context)."""
@@ -48,6 +55,7 @@ class NgramDrafter(LookupDrafter):
     def start(self, prompt_ids: Sequence[int], sampler) -> None:
         self.last_match_len = 0
         self._memo.clear()
+        self._reset_index(None)
 
     def lookup(self, context: Sequence[int]) -> Match:
         """The best earlier occurrence of the context's suffix (see Match).
@@ -62,28 +70,28 @@ class NgramDrafter(LookupDrafter):
         return self._memo(context)
 
     def _lookup(self, context: Sequence[int]) -> Match:
-        ctx = np.asarray(context, dtype=np.int64)  # [L]
-        L = len(ctx)
+        L = len(context)
+        if context is not self._of or L < self._indexed:  # another text: read it from the start
+            self._reset_index(context)
+        for e in range(self._indexed, L - 1):  # an occurrence must be followed by a token: end <= L-2
+            for n, table in self._index.items():
+                if e >= n - 1:
+                    table.setdefault(tuple(context[e - n + 1:e + 1]), []).append(e)
+        self._indexed = max(self._indexed, L - 1)
+        limit = min(self.max_match, L - 1)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            # Candidate occurrences end at e = n-1 .. L-2 (followed by at least one token).
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # [L-n, n]
-            hits = np.flatnonzero((windows == ctx[L - n:]).all(axis=1))  # window starts
-            if not len(hits):
+            ends = self._index[n].get(tuple(context[L - n:]))
+            if not ends:
                 continue
-            # Extend each hit backwards while it keeps agreeing with the context.
-            lengths = np.full(len(hits), n)
-            alive = np.ones(len(hits), dtype=bool)
-            for j in range(n, min(self.max_match, L - 1)):
-                pos = hits - (j - n) - 1  # the token j before the suffix's end, for each hit
-                ok = alive & (pos >= 0)
-                ok[ok] = ctx[pos[ok]] == ctx[L - 1 - j]
-                if not ok.any():
-                    break
-                lengths[ok] += 1
-                alive = ok
-            best = int(np.flatnonzero(lengths == lengths.max())[-1])  # longest, then most recent
-            following = ctx[hits + n]
-            return Match(int(lengths[best]), int(hits[best]) + n, bool((following == following[0]).all()))
+            best_len, best_end, following = 0, -1, set()
+            for e in ends:  # extend each occurrence backwards while it agrees with the text
+                length, i, j = n, e - n, L - 1 - n
+                while length < limit and i >= 0 and context[i] == context[j]:
+                    length, i, j = length + 1, i - 1, j - 1
+                if length >= best_len:  # longest, then most recent (ends ascend)
+                    best_len, best_end = length, e
+                following.add(context[e + 1])
+            return Match(best_len, best_end + 1, len(following) == 1)
         return Match(0, -1, False)
 
     def available(self, context: Sequence[int]) -> int:
