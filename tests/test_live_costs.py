@@ -353,3 +353,29 @@ def test_a_curve_too_steep_to_ever_draft_is_explored_and_corrected(explore_every
         assert sum(k > 0 for k in ks[-50:]) >= 40, ks
     else:
         assert not any(ks), ks
+
+
+def test_a_new_text_is_not_silenced_by_failures_in_earlier_ones():
+    """Texts where every lookup fails push the match kind's estimate down and the probe gap up;
+    a new generation starts with the probe gap reset and half the evidence returned to the
+    priors, so that a text whose lookups are right is drafted again (the suite's `repeat`
+    prompts after translation and chat). Negative control: without the reset it stays plain."""
+    def run(reset: bool) -> list[int]:
+        c = SpeculationController([Source(Lookup(), 0.0)], IDLE, kmax=8)
+        c.guard = SpeedGuard(window=10**6)
+        for _ in range(6):  # six texts of failing lookups
+            c.start([1, 2, 3], None) if reset else None
+            for _ in range(120):
+                k = len(c.propose([1, 2, 3], 8).token_ids)
+                c.observe(0)
+        if reset:
+            c.start([1, 2, 3], None)
+        ks = []
+        for _ in range(120):  # a text whose lookups are all right
+            k = len(c.propose([1, 2, 3], 8).token_ids)
+            c.observe(k)
+            ks.append(k)
+        return ks
+
+    assert sum(k > 0 for k in run(True)[:60]) >= 20
+    assert sum(k > 0 for k in run(False)[:60]) <= 4

@@ -247,10 +247,10 @@ class SpeculativeEngine:
     def _forward(self, gens: Sequence[Generation], items: list[SeqForward]) -> tuple[list[np.ndarray], dict, bool]:
         """The step's forward: one for every generation, except that batch-invariant ones go
         in forwards of at most invariant_block tokens (in that mode), of their own unless the
-        whole step fits one. Hidden
-        states only for the sequences whose drafter reads them. Returns logits [k_i+1, V] per
-        item, in order, the hidden rows by sequence id, and whether the step's time is a sample
-        of T(n): one forward, timed as the cost curve is (not a lone step on one thread)."""
+        whole step fits one. Hidden states only for the sequences whose drafter reads them.
+        Returns logits [k_i+1, V] per item, in order, the hidden rows by sequence id, and
+        whether the step's time is a sample of T(n): one forward, timed as the cost curve is
+        (not a lone one-token step, which batch-invariant mode runs on one thread)."""
         hidden_for = {gen.slot.seq for gen in gens if isinstance(gen.drafter, HiddenStateDrafter)}
         block = max((g.out.stats.invariant_block for g in gens if g.invariant), default=0)
         if block and sum(len(it.token_ids) for it in items) <= block:

@@ -68,8 +68,12 @@ class AcceptanceEstimator:
         """One step without evidence: old observations fade toward the prior (by ``decay``),
         so that a drafter silenced by a few early rejections is tried again once its prior
         would pay, instead of waiting for a probe."""
-        self.accepted = self.decay * self.accepted + (1.0 - self.decay) * self.prior_alpha * self.prior_weight
-        self.rejected = self.decay * self.rejected + (1.0 - self.decay) * (1.0 - self.prior_alpha) * self.prior_weight
+        self.fade(self.decay)
+
+    def fade(self, keep: float) -> None:
+        """Keep this share (0..1) of the evidence; the rest returns to the prior."""
+        self.accepted = keep * self.accepted + (1.0 - keep) * self.prior_alpha * self.prior_weight
+        self.rejected = keep * self.rejected + (1.0 - keep) * (1.0 - self.prior_alpha) * self.prior_weight
 
     def expected(self, k: int) -> float:
         """Expected tokens committed by a step that drafts k (Eq. 1 at this alpha)."""
@@ -108,6 +112,11 @@ class TwoRateEstimator:
         self.first.update(1, min(n, 1))
         if n >= 1:
             self.then.update(k - 1, n - 1)
+
+    def fade(self, keep: float) -> None:
+        """Keep this share (0..1) of both rates' evidence; the rest returns to the priors."""
+        self.first.fade(keep)
+        self.then.fade(keep)
 
     def fresh(self) -> "TwoRateEstimator":
         """A new estimator with this one's priors (what this kind of draft is worth before
