@@ -150,7 +150,7 @@ class Backend(Protocol):
         batch-invariant, every row of a forward of at most ``invariant_block`` tokens gets
         exactly the logits, and writes exactly the cache, of one-token forwards. Which block
         sizes hold is measured on the machine, not assumed
-        (:func:`specdecode.control.measure.measure_invariant_block`)."""
+        (:func:`specdecode.control.invariance.measure_invariant_block`)."""
 
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop sequence seq's cached positions >= n (0 <= n <= seq_len(seq))."""
