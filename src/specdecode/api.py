@@ -175,7 +175,10 @@ class Decoder:
         options: a :class:`specdecode.request.GenerationOptions`, or its fields as keywords:
         max_tokens (exact cap, >= 1), stop (string(s) that end the output, excluded from it),
         logprobs (N most likely tokens per emitted token), plain (decode without the drafter:
-        the baseline), num_speculative_tokens (K for this call), record_top2_gaps (the
+        the baseline), num_speculative_tokens (K for this call), prediction (the output
+        expected, as text: drafts follow it, see :mod:`specdecode.drafters.prediction`; the
+        output stays the target's), draft (which loaded drafter this call may use: "auto",
+        "none", "ngram", "suffix", "prediction" or the draft model's name), record_top2_gaps (the
         target's top-2 logit gap per token, for parity reports), grammar (structured output,
         e.g. ``Grammar.json_schema({...})``, ``Grammar("regex", "[0-9]+")``, ``Grammar("lark",
         ...)``, ``Grammar("json_object")``: the output matches it, as plain constrained
@@ -236,7 +239,26 @@ class Decoder:
                     self._owners.pop(gen, None)
                     self._lock.notify_all()
 
+    def prediction_ids(self, prediction: str | Sequence[dict]) -> list[int]:
+        """A predicted output (text, or OpenAI's list of text parts) as target token ids,
+        tokenized once with the target's tokenizer (no BOS, special tokens as text).
+        Raises SpecDecodeError (param prediction) for anything else."""
+        if isinstance(prediction, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in prediction):
+                raise SpecDecodeError('prediction parts must be {"type": "text", "text": ...} objects',
+                                      param="prediction")
+            prediction = "".join(p["text"] for p in prediction)
+        if not isinstance(prediction, str):
+            raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}", param="prediction")
+        with self._lock:
+            self._check_open()
+            return self.target.tokenize(check_text(prediction, "prediction"), add_special=False, parse_special=False)
+
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
+        if isinstance(fields.get("prediction"), (str, list)) and not (
+                isinstance(fields["prediction"], list) and all(isinstance(t, int) for t in fields["prediction"])):
+            fields = {**fields, "prediction": tuple(self.prediction_ids(fields["prediction"])) or None}
         options = GenerationOptions.from_kwargs(options, **fields)
         if prompt_ids is not None:
             if prompt is not None or messages is not None:
@@ -273,7 +295,7 @@ class Decoder:
         if report["load_changed"]:
             report["note"] = (f"the machine's load changed during the comparison: the two halves gave {h[0]}x and "
                               f"{h[1]}x; run it again on a quieter machine for a firm figure")
-        given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options")}
+        given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options", "prediction")}
         sampling = GenerationOptions.from_kwargs(kwargs.get("options"), **given).sampling
         if not (sampling.greedy or sampling.keyed and sampling.seed is not None):
             report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "

@@ -43,6 +43,9 @@ def _stats_block(label: str, stats: dict) -> str:
         lines.append("steps by K drafted: " + ", ".join(f"K={k}: {n}" for k, n in stats["k_histogram"].items()))
     if stats.get("controller_note"):
         lines.append(f"controller: {stats['controller_note']}")
+    if stats.get("accepted_prediction_tokens") is not None:
+        lines.append(f"prediction: {stats['accepted_prediction_tokens']} tokens accepted, "
+                     f"{stats['rejected_prediction_tokens']} rejected")
     if stats.get("invariant_block"):
         lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
                      "equal one-token steps on this machine, so K and the drafter cannot change the text")
@@ -150,7 +153,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for i, stop in enumerate(args.stop or ()):
         check_text(stop, f"--stop ({i + 1})")
     prompt, messages = prompt_from_args(args)
-    gen_kwargs = dict(messages=messages, max_tokens=args.max_tokens, stop=args.stop or None, logprobs=args.logprobs,
+    if args.prediction_file == "-" and "-" in (args.prompt_file, args.chat_file, args.messages_file):
+        raise SpecDecodeError("--prediction-file - and the input both read standard input: give one of them a file",
+                              param="--prediction-file")
+    prediction = read_input(args.prediction_file, "--prediction-file") if args.prediction_file else None
+    gen_kwargs = dict(prediction=prediction,messages=messages, max_tokens=args.max_tokens, stop=args.stop or None, logprobs=args.logprobs,
                       grammar=grammar_from_args(args), batch_invariant=args.batch_invariant, **sampling_kwargs(args))
     label = f"speculative (draft {args.draft}, K={args.num_speculative_tokens})"
 
@@ -231,6 +238,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                         "that K, the drafter and the batch cannot change a token; 'auto': for seeded sampling "
                         "(default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--prediction-file", metavar="PATH|-",
+                   help="the output expected (e.g. the file being edited): drafts follow it and re-align after each "
+                        "change; it never changes the output (needs --draft auto or prediction)")
     structured = g.add_mutually_exclusive_group()
     structured.add_argument("--json-schema", metavar="FILE|-", help="the output is JSON matching this JSON schema")
     structured.add_argument("--regex", metavar="REGEX", help="the output matches this regular expression")

@@ -35,7 +35,8 @@ import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len
 from .control.invariance import measure_invariant_block
-from .control.planner import end_plan, observe_confidence, observe_verification, plan_batch
+from .control.planner import (configure_generation, end_plan, observe_confidence, observe_verification, plan_batch,
+                              prediction_counts)
 from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
@@ -166,7 +167,7 @@ class SpeculativeEngine:
         ContextOverflowError when the prompt does not fit.
         """
         options = GenerationOptions.from_kwargs(options, **fields) if fields or options is None else options
-        if options.plain:
+        if options.plain or options.draft == "none":
             drafter, K = self._plain, 0
         else:
             K = self.num_speculative_tokens if options.num_speculative_tokens is None else options.num_speculative_tokens
@@ -194,6 +195,9 @@ class SpeculativeEngine:
         self._uses += 1
         where.last_used = self._uses
         gen.drafter.start(prompt_ids, sampler)
+        if drafter is not self._plain:
+            configure_generation(gen.drafter, options.draft, options.num_speculative_tokens is not None,
+                                 options.prediction, self.target.token_bytes)
         out.decode_started = time.perf_counter()
         out.stats.prefill_s = out.decode_started - started
         return gen
@@ -335,6 +339,8 @@ class SpeculativeEngine:
         finally:
             slot.gen = None
             out.stats.controller_note = end_plan(gen.drafter)
+            if (counts := prediction_counts(gen.drafter)) is not None:
+                out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens = counts
         tail = out.end("length")
         items: list[TextDelta | GenerationResult] = [tail] if tail or tail.token_ids else []
         return items + [out.result()]

@@ -36,6 +36,14 @@ class GenerationOptions:
         (:data:`specdecode.limits.BATCH_INVARIANCE`): verify in forwards whose every row has
         the logits of a one-token step (:attr:`invariant`), so that no choice of K, drafter or
         batch can change a token, at the cost of smaller verification blocks.
+    prediction: the predicted output as target token ids [P] (OpenAI's predicted outputs;
+        :mod:`specdecode.drafters.prediction` drafts from it), or None. It never changes the
+        output, only how fast it comes.
+    draft: which loaded drafter this generation may use: None or "auto" (the engine's, all
+        of a controller's sources, planned), "none" (plain decoding), or one source's name
+        (a kind such as "ngram", "suffix", "prediction", or a loaded draft model's name).
+        With one source named and num_speculative_tokens set, it drafts that many each step
+        (no planning); with "auto" num_speculative_tokens is the cap.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -49,6 +57,8 @@ class GenerationOptions:
     plain: bool = False
     num_speculative_tokens: int | None = None
     batch_invariant: str = "auto"
+    prediction: tuple[int, ...] | None = None
+    draft: str | None = None
 
     @property
     def invariant(self) -> bool:
@@ -95,6 +105,13 @@ class GenerationOptions:
         if self.batch_invariant not in BATCH_INVARIANCE:
             raise SpecDecodeError(f"batch_invariant = {self.batch_invariant!r} is not one of "
                                   f"{', '.join(BATCH_INVARIANCE)}", param="batch_invariant")
+        if self.prediction is not None:
+            if not isinstance(self.prediction, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.prediction):
+                raise SpecDecodeError(f"prediction must be a list of token ids (integers >= 0), got "
+                                      f"{str(self.prediction)[:60]}", param="prediction")
+            object.__setattr__(self, "prediction", tuple(self.prediction))
+        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
+            raise SpecDecodeError(f"draft must be a non-empty string, got {self.draft!r}", param="draft")
         for name in ("record_top2_gaps", "plain"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)

@@ -29,6 +29,9 @@ class Stats:
         the drafter has nothing to say).
     invariant_block: 0, or for a batch-invariant generation the most tokens one of its
         verifications held (the target's measured invariant_block).
+    accepted_prediction_tokens / rejected_prediction_tokens: None without a prediction;
+        else the tokens drafted from the prediction that the target accepted / rejected
+        (verified and discarded), as OpenAI's usage.completion_tokens_details reports them.
     """
 
     prompt_tokens: int = 0
@@ -48,6 +51,8 @@ class Stats:
     verify_s: float = 0.0
     controller_note: str = ""
     invariant_block: int = 0
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -108,4 +113,6 @@ class Stats:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "controller_note": self.controller_note,
             "invariant_block": self.invariant_block,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
         }

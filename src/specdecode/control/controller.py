@@ -130,6 +130,8 @@ class SpeculationController(PlannedDrafter):
         self._matched: Counter = Counter()
         self.guard = guard or SpeedGuard()
         self.measurement_note = ""  # how the cost curve was measured, when it is worth saying
+        self._allowed: set[int] | None = None  # ids of the sources this generation may draft with (restrict)
+        self._fixed = False
         self._proposed = False  # whether propose() ran this step, its seconds, and the step's own verification
         self._draft_s = 0.0
         self._own_verify: float | None = None
@@ -159,6 +161,7 @@ class SpeculationController(PlannedDrafter):
         keep NEW_TEXT_KEEP of their evidence (the rest returns to the measured priors). A long
         run of texts where lookups fail (translation, chat) otherwise leaves the later ones that
         repeat earlier answers undrafted: measured on the suite, `repeat` drafted nothing."""
+        self._allowed, self._fixed = None, False
         for s in self.sources:
             s.drafter.start(prompt_ids, sampler)
             s.probe_gap = self.probe_every
@@ -171,12 +174,45 @@ class SpeculationController(PlannedDrafter):
         self._matched.clear()
         self.guard.reset()
 
+    def set_prediction(self, ids: Sequence[int] | None, token_bytes: Callable[[int], bytes] | None = None) -> bool:
+        """This generation's predicted output [P] for the sources that follow one (after
+        :meth:`start`); False when none does."""
+        took = False
+        for s in self.sources:
+            if hasattr(s.drafter, "set_prediction"):
+                s.drafter.set_prediction(ids, token_bytes)
+                took = True
+        return took
+
+    def prediction_counts(self) -> tuple[int, int] | None:
+        """(accepted, rejected) drafted prediction tokens of this generation, or None when no
+        source holds a prediction."""
+        held = [s.drafter for s in self.sources if getattr(s.drafter, "has_prediction", False)]
+        return (sum(d.accepted for d in held), sum(d.rejected for d in held)) if held else None
+
+    def restrict(self, names: Sequence[str] | None, fixed: bool = False) -> None:
+        """For this generation (after :meth:`start`) draft only with the sources named (their
+        kind's name, or a draft model's name); fixed: draft the engine's k each step from the
+        first that has a draft, without planning (a request that sets K). None: all, planned.
+        Raises ValueError for a name that is not among the sources (see :attr:`drafter_names`)."""
+        if names is None:
+            self._allowed, self._fixed = None, False
+            return
+        known = {n: s for s in self.sources for n in (s.name, *(b.name for b in s.drafter.draft_backends()))}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ValueError(f"no loaded drafter is named {missing[0]!r}: loaded are {', '.join(sorted(known))}")
+        self._allowed, self._fixed = {id(known[n]) for n in names}, fixed
+
     def explain(self) -> str:
         """What each drafter did in the last generation, and why an unused one was not used:
         no match in the text, a measured cost that cannot pay even if every draft were
         accepted, or an estimated acceptance too low for this machine's T(n)."""
         parts = []
         for s in self.sources:
+            if (getattr(s.drafter, "has_prediction", True) is False or self._allowed is not None
+                    and id(s) not in self._allowed) and not self._used[s.name]:
+                continue  # no prediction was given, or the request chose other drafters: nothing to say
             n = self._used[s.name]
             if n:
                 ks = self._ks[s.name]
@@ -258,6 +294,8 @@ class SpeculationController(PlannedDrafter):
         unsorted: its best K at its estimated acceptance, or a probe."""
         plans = []
         for s in self.sources:
+            if self._allowed is not None and id(s) not in self._allowed:
+                continue
             known = lambda s=s: StepFeatures(prev_full=s is self._prev_source and self._prev_full,  # noqa: E731
                                              run=self._run, confidence=self.confidence)
             est, avail = s.estimator_for(context, known) if k > 0 else (None, 0)
@@ -265,7 +303,7 @@ class SpeculationController(PlannedDrafter):
                 continue
             self._matched[s.name] += 1
             cap = min(k, avail)
-            if not (s is self._prev_source and self._prev_full):
+            if not (s is self._prev_source and self._prev_full or getattr(s.drafter, "confirmed", False)):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
@@ -324,7 +362,10 @@ class SpeculationController(PlannedDrafter):
 
     def _propose(self, context: Sequence[int], k: int) -> Draft:
         quota, offered, self._quota, self._offered = self._quota, self._offered, None, None
-        if not self.guard.allows_drafting():
+        if self._fixed:
+            plans = [(0.0, s, k, False, s.estimator_for(context)[0]) for s in self.sources if id(s) in self._allowed]
+            plans = [p for p in plans if p[4] is not None]
+        elif not self.guard.allows_drafting():
             plans = []
         elif quota is not None and offered is not None:
             self._matched[offered[0].name] += 1

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..drafters.base import Drafter, DrafterBase
+from ..errors import SpecDecodeError
 from .costmodel import allocate_drafts
 
 
@@ -104,3 +105,41 @@ def observe_verification(drafter: Drafter, n: int, seconds: float, sample: bool 
     """Hand a verification's timing to a planned drafter (others ignore it)."""
     if isinstance(drafter, PlannedDrafter):
         drafter.observe_verification(n, seconds, sample)
+
+
+def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, prediction: Sequence[int] | None,
+                         token_bytes: Callable[[int], bytes] | None = None) -> None:
+    """Hand one generation's drafter choice and prediction to its drafter (after ``start``;
+    :class:`specdecode.request.GenerationOptions` draft, num_speculative_tokens given, prediction).
+    Raises SpecDecodeError (param draft / prediction) when the drafter cannot follow them: a
+    name it does not hold, "auto" without the controller, a prediction with no drafter that
+    follows one."""
+    restrict = getattr(drafter, "restrict", None)
+    if draft not in (None, "auto"):
+        if restrict is not None:
+            try:
+                restrict([draft], fixed=fixed)
+            except ValueError as e:
+                raise SpecDecodeError(str(e), param="draft") from None
+        elif draft != drafter.name:
+            raise SpecDecodeError(f"draft {draft!r} is not loaded: this engine drafts with {drafter.name!r} only",
+                                  param="draft")
+    elif draft == "auto" and restrict is None:
+        raise SpecDecodeError(f"draft 'auto' needs the cost-aware controller (-k auto); this engine drafts with "
+                              f"{drafter.name!r} at a fixed K", param="draft")
+    if prediction:
+        give = getattr(drafter, "set_prediction", None)
+        if give is None or give(prediction, token_bytes) is False:
+            raise SpecDecodeError(f"prediction needs a drafter that follows one (draft 'auto' or 'prediction'); "
+                                  f"this engine drafts with {drafter.name!r}", param="prediction")
+
+
+def prediction_counts(drafter: Drafter) -> tuple[int, int] | None:
+    """(accepted, rejected) drafted prediction tokens of the drafter's generation, or None
+    when it held no prediction."""
+    counts = getattr(drafter, "prediction_counts", None)
+    if callable(counts):
+        return counts()
+    if getattr(drafter, "has_prediction", False):
+        return drafter.accepted, drafter.rejected
+    return None

@@ -91,7 +91,8 @@ class Source:
     def __post_init__(self) -> None:
         if self.bands is None and isinstance(self.drafter, LookupDrafter):
             self.bands = {(i, u): TwoRateEstimator(a1, a)
-                          for u, priors in MATCH_PRIORS.items() for i, (a1, a) in enumerate(priors)}
+                          for u, priors in (getattr(self.drafter, "match_priors", None) or MATCH_PRIORS).items()
+                          for i, (a1, a) in enumerate(priors)}
         if self.bands is not None and self.model is None:
             self.model = LogisticAcceptance()
 

@@ -12,7 +12,8 @@ from .base import (ContinuationRule, Draft, Drafter, DrafterBase, HiddenStateDra
                    LookupDrafter, Match, NoDrafter)
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .prediction import PredictionDrafter
 from .suffix import SuffixDrafter
 
 __all__ = ["ContinuationRule", "Draft", "Drafter", "DrafterBase", "HiddenStateDrafter", "IncrementalDrafter",
-           "LookupDrafter", "Match", "NoDrafter", "ModelDrafter", "NgramDrafter", "SuffixDrafter"]
+           "LookupDrafter", "Match", "NoDrafter", "ModelDrafter", "NgramDrafter", "PredictionDrafter", "SuffixDrafter"]

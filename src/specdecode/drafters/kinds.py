@@ -21,6 +21,7 @@ from .base import Drafter, NoDrafter
 from .heads import load_heads_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .prediction import PredictionDrafter
 from .suffix import SuffixDrafter
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind("none", "none", "plain decoding", lambda req: NoDrafter(), cost_s=0.0),
     DrafterKind("ngram", "ngram", "prompt lookup", lambda req: NgramDrafter(), in_auto=True),
     DrafterKind("suffix", "suffix", "lookup in this and earlier requests", lambda req: SuffixDrafter(), in_auto=True),
+    DrafterKind("prediction", "prediction", "the request's predicted output (prediction=, --prediction-file)",
+                lambda req: PredictionDrafter(), in_auto=True),
     DrafterKind("heads", "heads:FILE", "draft heads trained on the target (specdecode heads train)",
                 lambda req: load_heads_drafter(req.arg, req.target), arg="FILE", cost_s=HEADS_COST_S),
     MODEL,
