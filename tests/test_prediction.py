@@ -196,3 +196,14 @@ def test_smollm_greedy_parity_with_a_prediction(smollm):
         assert parity_report(res, plain)["status"] in ("exact", "near-tie")
     res = eng.generate(ids, max_tokens=80, prediction=pred)
     assert res.stats.accepted_prediction_tokens >= len(pred) // 2
+
+
+def test_a_refused_request_leaves_its_slot_free():
+    script = file_of(n_lines=4)
+    target = ScriptedBackend(PIECES, script, n_prompt=len(PROMPT))
+    eng = SpeculativeEngine(target, SpeculationController([Source(PredictionDrafter(), 1e-5)], CPU, kmax=8), 8)
+    for bad in (dict(draft="ngram"), dict(draft="qwen-9b")):
+        with pytest.raises(SpecDecodeError):
+            eng.generate(PROMPT, max_tokens=20, **bad)
+        assert eng.free_slots() == 1
+    assert eng.generate(PROMPT, max_tokens=40, prediction=script).token_ids == script

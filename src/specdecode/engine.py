@@ -191,13 +191,13 @@ class SpeculativeEngine:
             where.cached = []  # no reuse: the prompt is prefilled as a fresh start would
         self._set_invariant(gen.invariant)
         self._prefill(where, gen.committed, gen.drafter)
+        gen.drafter.start(prompt_ids, sampler)
+        if drafter is not self._plain:  # may refuse the request's draft or prediction: the slot stays free
+            configure_generation(gen.drafter, options.draft, options.num_speculative_tokens is not None,
+                                 options.prediction, self.target.token_bytes)
         where.gen = gen
         self._uses += 1
         where.last_used = self._uses
-        gen.drafter.start(prompt_ids, sampler)
-        if drafter is not self._plain:
-            configure_generation(gen.drafter, options.draft, options.num_speculative_tokens is not None,
-                                 options.prediction, self.target.token_bytes)
         out.decode_started = time.perf_counter()
         out.stats.prefill_s = out.decode_started - started
         return gen

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from .config import ServerOptions
+from .extensions import completion_details
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, json_repr, parse_json_body, parse_request
 from .worker import Job, Worker
@@ -131,7 +132,9 @@ def _usage(results: list) -> dict:
     counts it), completion tokens summed over the choices."""
     prompt = results[0].stats.prompt_tokens
     completion = sum(r.stats.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    details = completion_details(results)
+    return {**usage, "completion_tokens_details": details} if details else usage
 
 
 def _model_card(model_name: str, created: int, n_ctx: int) -> dict:

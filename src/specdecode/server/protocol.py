@@ -20,6 +20,7 @@ from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
 from ..request import GenerationOptions
 from ..sampling import SamplingParams
+from .extensions import parse_prediction, parse_speculative
 
 # max_tokens of a completion that gives none (OpenAI's default); chat defaults to the
 # rest of the context.
@@ -33,7 +34,7 @@ DEFAULT_TEMPERATURE = 1.0
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream",
-    "stream_options", "logprobs", "n", "user", "response_format",
+    "stream_options", "logprobs", "n", "user", "response_format", "prediction", "speculative",
 })
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
@@ -87,7 +88,7 @@ class GenRequest:
     :func:`resolve_max_tokens`). options: what each generation asks for (sampling with
     temperature always set, stop, logprobs, grammar), all but max_tokens, which is settled
     once the prompt is tokenized; :meth:`choice_options` gives a choice's complete options.
-    n: choices, 1..MAX_N, each its own sequence.
+    n: choices, 1..MAX_N, each its own sequence. prediction: its text (:mod:`.extensions`).
     """
 
     kind: str
@@ -98,6 +99,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     n: int = 1
+    prediction: str | None = None
 
     @property
     def logprobs(self) -> int | None:
@@ -317,11 +319,13 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
     grammar = parse_response_format(body.get("response_format"))
     b.string("user")
     try:
-        options = GenerationOptions(sampling=sampling, stop=stop, logprobs=logprobs, grammar=grammar)
+        prediction = parse_prediction(body.get("prediction"))
+        options = GenerationOptions(sampling=sampling, stop=stop, logprobs=logprobs, grammar=grammar,
+                                    **parse_speculative(body.get("speculative")))
     except SpecDecodeError as e:
         raise from_specdecode_error(e) from None
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,
-                      stream=stream, include_usage=include_usage, n=n)
+                      stream=stream, include_usage=include_usage, n=n, prediction=prediction)
 
 
 def _check_model(b: _Body, model_name: str) -> None:
@@ -374,12 +378,8 @@ def _parse_sampling(b: _Body, body: dict) -> SamplingParams:
         raise APIError(400, f"temperature = {body['temperature']} is out of range: expected 0 <= temperature <= "
                        f"{MAX_TEMPERATURE:g} (0 = greedy)", param="temperature")
     sampling: dict[str, Any] = {"temperature": DEFAULT_TEMPERATURE}
-    for name in _FLOAT_SAMPLING_FIELDS:
-        v = b.number(name)
-        if v is not None:
-            sampling[name] = v
-    for name in _INT_SAMPLING_FIELDS:
-        v = b.integer(name)
+    for name in _FLOAT_SAMPLING_FIELDS + _INT_SAMPLING_FIELDS:
+        v = b.number(name) if name in _FLOAT_SAMPLING_FIELDS else b.integer(name)
         if v is not None:
             sampling[name] = v
     try:

@@ -14,13 +14,14 @@ import contextlib
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from jinja2 import TemplateError
 
 from ..errors import SpecDecodeError
 from .config import ServerOptions
+from .extensions import FIELD_OF_OPTION
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, from_specdecode_error, resolve_max_tokens
 
@@ -61,6 +62,7 @@ class _Running:
     index: int = 0  # the choice being generated
     max_tokens: int = 0
     ids: list = field(default_factory=list)  # the prompt's tokens (tokenized once for all choices)
+    prediction: tuple | None = None  # the prediction's tokens (likewise)
     gen: Any = None  # the engine's Generation of this choice
     results: list = field(default_factory=list)  # (GenerationResult, logprobs object or None) per finished choice
     first: float | None = None  # when the job's first step came back
@@ -207,8 +209,11 @@ class Worker:
             action(r)
         except SpecDecodeError as e:
             self.metrics.rejected.labels(reason="invalid_request").inc()
-            # The fields were checked on arrival; what is left concerns the prompt itself.
-            self._fail(r, from_specdecode_error(e, "prompt" if r.job.req.kind == "completion" else "messages"))
+            # The fields were checked on arrival; what is left concerns the prompt itself, or
+            # what the request asked of the loaded drafters (speculative, prediction).
+            field_ = FIELD_OF_OPTION.get(e.param) or ("prompt" if r.job.req.kind == "completion" else "messages")
+            self._fail(r, APIError(400, str(e), param=field_) if e.param in FIELD_OF_OPTION
+                       else from_specdecode_error(e, field_))
         except TemplateError as e:  # the chat template's own checks (e.g. roles must alternate)
             self.metrics.rejected.labels(reason="invalid_request").inc()
             self._fail(r, APIError(400, f"the model's chat template rejected the messages: {e}", param="messages"))
@@ -239,10 +244,15 @@ class Worker:
             return self._cancelled(r)
         r.ids = self.decoder.prompt_ids(req.prompt, req.messages)
         r.max_tokens = resolve_max_tokens(req, len(r.ids), self.n_ctx)
+        if req.prediction:
+            r.prediction = tuple(self.decoder.prediction_ids(req.prediction)) or None
         self._begin_choice(r)
 
     def _begin_choice(self, r: _Running) -> None:
-        r.gen = self.decoder.begin(prompt_ids=r.ids, options=r.job.req.choice_options(r.index, r.max_tokens))
+        options = r.job.req.choice_options(r.index, r.max_tokens)
+        if r.prediction:
+            options = replace(options, prediction=r.prediction)
+        r.gen = self.decoder.begin(prompt_ids=r.ids, options=options)
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
         self._release(r)

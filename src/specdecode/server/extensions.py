@@ -1,0 +1,95 @@
+"""Request fields beyond the core OpenAI ones: predicted outputs (OpenAI's ``prediction``) and
+speculation per request (``speculative``, this server's extension), parsed and checked
+without the model; and what the response reports of them (``usage.completion_tokens_details``).
+
+``prediction``: ``{"type": "content", "content": str | [{"type": "text", "text": str}, ...]}``.
+The text is tokenized once with the target's tokenizer when the request runs; drafts follow it
+(:mod:`specdecode.drafters.prediction`), and the output stays the target's.
+
+``speculative``: ``{"draft": "auto" | "none" | "ngram" | "suffix" | "prediction" | <a loaded
+draft model's name>, "num_speculative_tokens": int 0..32 | "auto"}``, both optional. It may
+only choose among what the server loaded: a drafter that is not loaded is a 400 naming
+``speculative.draft`` when the request runs. ``"auto"`` (or absent) lets the cost-aware
+controller plan; an integer K with one drafter named drafts K tokens every step; with
+``"auto"`` as draft an integer K is the cap.
+
+Pure: no FastAPI, no model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import SpecDecodeError
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
+from ..messages import json_repr
+
+# An option the engine names (SpecDecodeError.param) -> the request field that set it.
+FIELD_OF_OPTION = {"draft": "speculative.draft", "num_speculative_tokens": "speculative.num_speculative_tokens",
+                   "prediction": "prediction"}
+
+
+def _error(message: str, param: str) -> SpecDecodeError:
+    return SpecDecodeError(message, param=param)  # the request's parser answers it as a 400
+
+
+def parse_prediction(value: Any) -> str | None:
+    """The predicted output's text, or None (absent or null). Raises SpecDecodeError (param:
+    the field) for any other shape."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) != {"type", "content"}:
+        raise _error(f'prediction must be {{"type": "content", "content": ...}}, got {json_repr(value)}',
+                     "prediction")
+    content = value["content"]
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and set(part) == {"type", "text"}):
+                raise _error(f'prediction.content[{i}] must be {{"type": "text", "text": ...}}, got '
+                             f"{json_repr(part)}", f"prediction.content[{i}]")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _error(f"prediction.content must be a string or a list of text parts, got {json_repr(content)}",
+                     "prediction.content")
+    return content or None
+
+
+def parse_speculative(value: Any) -> dict:
+    """The GenerationOptions fields a ``speculative`` object sets (draft,
+    num_speculative_tokens). Raises SpecDecodeError (param: the field) for a wrong shape, an
+    unknown key or an out-of-range K."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _error(f"speculative must be an object, got {json_repr(value)}", "speculative")
+    unknown = sorted(set(value) - {"draft", "num_speculative_tokens"})
+    if unknown:
+        raise _error(f"speculative.{unknown[0]} is not a field: speculative takes draft and num_speculative_tokens",
+                     f"speculative.{unknown[0]}")
+    out: dict = {}
+    draft = value.get("draft")
+    if draft is not None:
+        if not isinstance(draft, str) or not draft:
+            raise _error(f"speculative.draft must be a non-empty string, got {json_repr(draft)}", "speculative.draft")
+        out["draft"] = draft
+    k = value.get("num_speculative_tokens")
+    if k is not None and k != "auto":
+        if not is_int(k) or not 0 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise _error(f"speculative.num_speculative_tokens = {json_repr(k)} is out of range: expected an integer "
+                         f"0..{MAX_NUM_SPECULATIVE_TOKENS} or \"auto\"", "speculative.num_speculative_tokens")
+        out["num_speculative_tokens"] = k
+        if k == 0:
+            out["draft"] = "none"
+    return out
+
+
+def completion_details(results: list) -> dict | None:
+    """usage.completion_tokens_details of a request with a prediction: accepted_prediction_tokens
+    (drafted from the prediction and accepted by the target) and rejected_prediction_tokens
+    (drafted from it, verified and discarded), summed over the choices; None without one."""
+    stats = [r.stats for r in results if r.stats.accepted_prediction_tokens is not None]
+    if not stats:
+        return None
+    return {"accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in stats),
+            "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in stats)}
