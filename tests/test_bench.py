@@ -24,15 +24,31 @@ from specdecode.sampling import SamplingParams
 def test_builtin_suite_has_eight_prompts_per_category():
     prompts = load_prompts(None)
     for cat in CATEGORIES:
-        assert sum(p.category == cat for p in prompts) >= 8, cat
+        assert sum(p.category == cat for p in prompts) >= (6 if cat in ("predicted_edits", "agent") else 8), cat
     assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_edits_and_agent_prompts_carry_their_prediction():
+    """Code edits carry the original code as the prediction (which the answer copies with
+    changes); the agent prompts the tool's result (which the answer quotes), each asked twice."""
+    prompts = load_prompts(None)
+    for p in prompts:
+        if p.category in ("code_editing", "predicted_edits"):
+            code = p.prediction.strip().strip("`").split("\n", 1)[1]  # without the fence's language line
+            assert code.strip() and code[:200] in (p.prompt or p.messages[-1]["content"]), p.id
+        elif p.category == "agent":
+            assert p.prediction in p.messages[-1]["content"], p.id
+        else:
+            assert p.prediction is None, p.id
+    agent = [p for p in prompts if p.category == "agent"]
+    assert all(a.messages == b.messages for a, b in zip(agent[::2], agent[1::2]))
 
 
 def test_the_repeat_category_chains_requests():
     """"repeat" (after the free-text categories) opens each chain with a novel request, later
     ones asking for (nearly) the same output again in a new prompt; the first three are one chain."""
     assert CATEGORIES == ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn",
-                          "repeat", "json_schema")
+                          "repeat", "json_schema", "predicted_edits", "agent")
     rep = [p for p in load_prompts(None) if p.category == "repeat"]
     assert [p.id for p in rep] == [f"repeat-{i:02d}" for i in range(1, 9)]
     assert all(p.messages and 100 <= p.max_tokens <= 200 for p in rep)

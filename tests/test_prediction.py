@@ -207,3 +207,21 @@ def test_a_refused_request_leaves_its_slot_free():
             eng.generate(PROMPT, max_tokens=20, **bad)
         assert eng.free_slots() == 1
     assert eng.generate(PROMPT, max_tokens=40, prediction=script).token_ids == script
+
+
+def test_seeded_sampling_gives_the_same_text_with_any_prediction():
+    """Under the seeded Gumbel rule a prediction cannot change the text: the same seed gives
+    plain decoding's tokens, whether the prediction is right, edited or wrong (negative
+    control: another seed gives another text)."""
+    script = file_of(n_lines=10)
+    target = ScriptedBackend(PIECES, script, n_prompt=len(PROMPT), margin=1.0)  # flat enough to sample
+    eng = SpeculativeEngine(target, SpeculationController([Source(PredictionDrafter(), 1e-5)], CPU, kmax=16), 16)
+    kw = dict(max_tokens=60, temperature=1.0, seed=11, sampling_rule="gumbel", batch_invariant="off")
+    plain = eng.generate(PROMPT, plain=True, **kw).token_ids
+    assert plain != script[:60]  # it samples
+    for pred in (plain, plain[:20] + [85, 86] + plain[25:], [50 + i % 7 for i in range(60)]):
+        res = eng.generate(PROMPT, prediction=pred, **kw)
+        assert res.token_ids == plain
+    assert eng.generate(PROMPT, prediction=plain, **{**kw, "seed": 12}).token_ids != plain
+    res = eng.generate(PROMPT, prediction=plain, **kw)
+    assert res.stats.accepted_prediction_tokens >= 40  # and the right prediction is accepted

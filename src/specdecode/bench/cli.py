@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+from ..errors import SpecDecodeError
 from ..options import add_model_options, add_sampling_options, check_model_args, sampling_from_args
 from .report import print_table, write_outputs
 from .runner import DEFAULT_CONFIGS, BenchConfig, run_bench
@@ -30,6 +32,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="for prompts without their own max_tokens (default: %(default)s)")
     b.add_argument("--no-peer", dest="peer", action="store_false",
                    help="skip the peers (llama-cpp-python's prompt lookup; transformers' generate)")
+    b.add_argument("--prediction-file", metavar="PATH|-", default=None,
+                   help="the predicted output of every selected prompt (replacing the suite's own): each "
+                        "configuration that follows one also runs with it, as CONFIG+prediction")
     b.add_argument("--background-load", type=float, default=None, metavar="F",
                    help="run beside a CPU load taking this fraction of the machine (0 < F <= 1; 0.5 on 2 cores "
                         "keeps one core busy): is speculation still never slower on a busy machine?")
@@ -56,7 +61,20 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         n_ctx=args.ctx_size, n_threads=args.threads, backend=args.backend, draft_backend=args.draft_backend,
         dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
         progress=not args.quiet, background_load=args.background_load,
+        prediction=_read_prediction(args.prediction_file) if args.prediction_file else None,
     )
+
+
+def _read_prediction(path: str) -> str:
+    """The text of --prediction-file (a path, or - for standard input). Raises SpecDecodeError."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecDecodeError(f"--prediction-file {path}: not UTF-8 text ({e.reason} at byte {e.start})",
+                              param="--prediction-file") from None
+    except OSError as e:
+        raise SpecDecodeError(f"--prediction-file {path}: cannot be read: {e.strerror}",
+                              param="--prediction-file") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -70,14 +70,15 @@ def matched_prefix(proposal: Sequence[int], output: Sequence[int], i: int) -> in
 
 
 def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve, drafters: Sequence[Drafter],
-                  kmax: int = MAX_NUM_SPECULATIVE_TOKENS) -> OracleResult:
+                  kmax: int = MAX_NUM_SPECULATIVE_TOKENS, prediction: Sequence[int] | None = None) -> OracleResult:
     """The oracle over one request (see the module docstring).
 
     prompt, output: token ids (output: the target's greedy completion). cost: T(n).
     drafters: lookup drafters (``propose(context, k)``), used as they are and kept: each
     is started with the prompt and, at the end, told ``finish(prompt + output)``, so a
     drafter that learns across requests (suffix drafting) has seen this one before the
-    next. kmax: the largest K, at most MAX_NUM_SPECULATIVE_TOKENS.
+    next. kmax: the largest K, at most MAX_NUM_SPECULATIVE_TOKENS. prediction: the request's
+    predicted output (token ids), handed to the drafters that follow one.
     """
     if not 0 <= kmax <= MAX_NUM_SPECULATIVE_TOKENS:
         raise ValueError(f"kmax = {kmax} outside 0..{MAX_NUM_SPECULATIVE_TOKENS}")
@@ -86,6 +87,8 @@ def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve,
     sampler = Sampler(SamplingParams())  # greedy; lookups ignore it
     for d in drafters:
         d.start(prompt, sampler)
+        if prediction and hasattr(d, "set_prediction"):
+            d.set_prediction(prediction)
     steps, i = [], 0
     while i < len(output):
         cap = min(kmax, len(output) - i - 1)

@@ -18,6 +18,7 @@ configuration's draft: the speedup a perfectly informed controller would reach.
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 from contextlib import contextmanager
@@ -46,6 +47,7 @@ from .suite import DEFAULT_BENCH_MAX_TOKENS, BenchPrompt, load_prompts, parse_co
 
 DEFAULT_CONFIGS = ("auto:auto",)
 WARMUP_TOKENS = 8  # tokens each engine and peer generates once before timing
+WITH_PREDICTION = "+prediction"  # a configuration's rows run with the prompt's prediction
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class BenchConfig:
     peer: also time the peers. progress: progress bars on stderr.
     background_load: run beside a CPU load of this fraction of the machine (0 < F <= 1;
         None: none).
+    prediction: the predicted output of every prompt (None: each prompt's own, if any).
 
     Raises SpecDecodeError naming the field when a value is out of range (before any
     model is loaded).
@@ -87,6 +90,7 @@ class BenchConfig:
     peer: bool = True
     progress: bool = True
     background_load: float | None = None
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples, so configs stay immutable and comparable.
@@ -161,18 +165,21 @@ def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationR
     }
 
 
-def _add_oracle(runs: list[tuple[list[int], list[int], list[dict]]], drafts: dict[str, str],
+def _add_oracle(runs: list[tuple[list[int], list[int], list[dict], list[int] | None]], drafts: dict[str, str],
                 oracle_drafters: dict[str, list], curve: CostCurve) -> None:
-    """Replay each run's plain greedy output (prompt ids, output ids, its rows), in bench
+    """Replay each run's plain greedy output (prompt ids, output ids, its rows, its prediction), in bench
     order, with the oracle over each draft's lookup drafters (kept across runs, so suffix
     history accumulates as in the engines), and set each row's oracle_time_s and
     oracle_plain_time_s (seconds: the oracle's, and len(output) * T(1)). One replay per
     draft serves every configuration of that draft ("ngram:3" and "ngram:auto")."""
-    for ids, out, rows in runs:
-        res: dict[str, OracleResult] = {d: oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS)
-                                        for d, ds in oracle_drafters.items()}
+    for ids, out, rows, prediction in runs:
+        res: dict[tuple[str, bool], OracleResult] = {}
+        for with_pred in (False, True) if prediction else (False,):  # in the engines' order
+            for d, ds in oracle_drafters.items():
+                res[d, with_pred] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS,
+                                                  prediction=prediction if with_pred else None)
         for row in rows:
-            r = res.get(drafts[row["config"]])
+            r = res.get((drafts[row["config"]], row["config"].endswith(WITH_PREDICTION)))
             if r is not None:
                 row["oracle_time_s"], row["oracle_plain_time_s"] = r.time_s, r.plain_s
 
@@ -218,7 +225,7 @@ def _oracle_setup(drafts: dict[str, str], target: Backend, greedy: bool) -> tupl
 
 
 def _warm_up(prompts: list[BenchPrompt], ids_of, target: Backend, plain_engine: SpeculativeEngine,
-             engines: dict[str, SpeculativeEngine], params) -> tuple[list[int], list[int], list]:
+             engines: dict[str, SpeculativeEngine], params) -> tuple[list[int], list[int], list, None]:
     """Compile the prompts' grammars (vocabulary and schema: no timed run pays for it) and
     run every engine once on the first prompt. Returns the warm-up as an oracle run (prompt
     ids, plain output, no rows): the oracle's drafters see it as the engines' did."""
@@ -228,21 +235,35 @@ def _warm_up(prompts: list[BenchPrompt], ids_of, target: Backend, plain_engine: 
     warm = plain_engine.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
     for eng in engines.values():
         eng.generate(w, sampling=params, max_tokens=WARMUP_TOKENS, grammar=prompts[0].grammar)
-    return w, warm.token_ids, []
+    return w, warm.token_ids, [], None
+
+
+def follows_prediction(drafter) -> bool:
+    """Whether a drafter drafts from a request's prediction (the prediction kind, or the
+    controller over it)."""
+    return hasattr(drafter, "has_prediction") or any(hasattr(s.drafter, "has_prediction")
+                                                     for s in getattr(drafter, "sources", ()))
 
 
 def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: SpeculativeEngine,
-                 engines: dict[str, SpeculativeEngine], params) -> tuple[GenerationResult, dict]:
-    """The i-th prompt's plain run and each configuration's (name -> result). Plain goes
-    first on even prompts and last on odd ones, so that load changing over the run weighs on
-    both sides alike."""
+                 engines: dict[str, SpeculativeEngine], params, prediction: list[int] | None = None,
+                 ) -> tuple[GenerationResult, dict]:
+    """The i-th prompt's plain run and each configuration's (name -> result); with a
+    prediction (its token ids), each configuration that follows one runs again with it, as
+    ``NAME+prediction``. Plain goes first on even prompts and last on odd ones, so that load
+    changing over the run weighs on both sides alike."""
     def run_plain():
         return plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True,
                                      grammar=p.grammar)
 
     def run_configs():
-        return {name: eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
-                for name, eng in engines.items()}
+        out = {}
+        for name, eng in engines.items():
+            out[name] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
+            if prediction and follows_prediction(eng.drafter):
+                out[name + WITH_PREDICTION] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens,
+                                                           grammar=p.grammar, prediction=prediction)
+        return out
 
     if i % 2 == 0:
         plain = run_plain()
@@ -271,6 +292,8 @@ def run_bench(config: BenchConfig) -> dict:
     from tqdm import tqdm
 
     prompts = select_prompts(load_prompts(config.prompts, config.max_tokens), config.categories, config.per_category)
+    if config.prediction:
+        prompts = [dataclasses.replace(p, prediction=config.prediction) for p in prompts]
     params = config.sampling
     dec = Decoder(target=config.target, draft="none", num_speculative_tokens=0, n_ctx=config.n_ctx,
                   n_threads=config.n_threads, progress=config.progress, backend=config.backend,
@@ -281,7 +304,7 @@ def run_bench(config: BenchConfig) -> dict:
         plain_engine = dec.engine
         _build_engines(config, target, engines)
         names = list(engines)
-        drafts = {f"{d}:{k}": d for d, k in config.parsed_configs()}
+        drafts = {f"{d}:{k}{w}": d for d, k in config.parsed_configs() for w in ("", WITH_PREDICTION)}
         oracle_drafters, curve = _oracle_setup(drafts, target, params.greedy)
 
         def ids_of(p: BenchPrompt) -> list[int]:
@@ -297,7 +320,8 @@ def run_bench(config: BenchConfig) -> dict:
         with BackgroundLoad(config.background_load) if config.background_load else _no_load():
             for i, p in enumerate(prompts):
                 ids = ids_of(p)
-                plain, results = _time_prompt(p, ids, i, plain_engine, engines, params)
+                pred = dec.prediction_ids(p.prediction) if p.prediction else None
+                plain, results = _time_prompt(p, ids, i, plain_engine, engines, params, pred)
                 bar.update(1 + len(engines))
                 ps = plain.stats
                 plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
@@ -305,7 +329,7 @@ def run_bench(config: BenchConfig) -> dict:
                 if peer is not None and p.grammar is None:
                     peer_rate, assisted_rate, failed = _run_peer(peer, assisted_peer, ids, p)
                     peer_note = f"{peer_note}; {failed}" if failed else peer_note
-                runs.append((ids, plain.token_ids, []))
+                runs.append((ids, plain.token_ids, [], pred))
                 for name, r in results.items():
                     rows.append(_row(p, name, r, plain, plain_rate, params.greedy, peer_rate, assisted_rate))
                     runs[-1][2].append(rows[-1])
@@ -316,6 +340,7 @@ def run_bench(config: BenchConfig) -> dict:
         for eng in engines.values():
             eng.drafter.close()
         dec.close()
+    names += [c for c in dict.fromkeys(r["config"] for r in rows) if c not in names]  # the +prediction runs
     if curve is not None:  # after the timed runs, so the replays never delay them
         _add_oracle(runs, drafts, oracle_drafters, curve)
     meta = {"target": config.target, "prompts": len(prompts), "temperature": params.temperature,

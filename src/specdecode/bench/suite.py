@@ -16,7 +16,7 @@ from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 
 # The built-in suite's categories, in the order reports list them.
 CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat",
-              "json_schema")
+              "json_schema", "predicted_edits", "agent")
 DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
 
 
@@ -24,7 +24,9 @@ DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_toke
 class BenchPrompt:
     """One prompt: exactly one of ``prompt`` (raw text) or ``messages`` (chat) is set;
     max_tokens is the completion cap in tokens; grammar, when set, constrains every
-    generation of the prompt (structured output, from the entry's ``json_schema``)."""
+    generation of the prompt (structured output, from the entry's ``json_schema``);
+    prediction, when set, is the output the client expects (the original file of an edit):
+    each configuration that can follow one also runs with it, as ``CONFIG+prediction``."""
 
     id: str
     category: str
@@ -32,15 +34,17 @@ class BenchPrompt:
     messages: list | None
     max_tokens: int
     grammar: Grammar | None = None
+    prediction: str | None = None
 
 
 def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENCH_MAX_TOKENS) -> list[BenchPrompt]:
     """Read a JSON Lines prompt file (the built-in suite when path is None).
 
     Each line: ``category``, exactly one of ``prompt`` or ``messages``, optional
-    ``max_tokens`` (tokens; default_max_tokens otherwise), ``id``, and ``json_schema`` (a
+    ``max_tokens`` (tokens; default_max_tokens otherwise), ``id``, ``json_schema`` (a
     JSON schema object the output must match: :meth:`Grammar.json_schema`, named after the
-    file and line; compiled only when generating).
+    file and line; compiled only when generating), and ``prediction`` (a string: the
+    predicted output).
     Raises SpecDecodeError naming the file and line for malformed entries, and when the
     file is missing or holds no prompts.
     """
@@ -79,8 +83,10 @@ def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENC
                 raise SpecDecodeError(f"{where}, line {i}: 'json_schema' must be a JSON schema object, "
                                       f"got {type(obj['json_schema']).__name__}")
             grammar = Grammar.json_schema(obj["json_schema"], name=f"{where}, line {i}")
+        if not isinstance(obj.get("prediction", ""), str):
+            raise SpecDecodeError(f"{where}, line {i}: 'prediction' must be a string")
         out.append(BenchPrompt(str(obj.get("id", f"{obj['category']}-{i}")), obj["category"], obj.get("prompt"),
-                               obj.get("messages"), mt, grammar))
+                               obj.get("messages"), mt, grammar, obj.get("prediction") or None))
     if not out:
         raise SpecDecodeError(f"{where} holds no prompts")
     return out

@@ -43,6 +43,15 @@ Request fields honoured (a field whose value is null counts as absent):
     {"name", "schema", "strict"}}: structured output, enforced by the grammar mask at every
     verified position, see :mod:`specdecode.grammar`; a schema that cannot be compiled
     answers 400 naming response_format).
+    prediction (OpenAI's predicted outputs: ``{"type": "content", "content": str | [text
+    parts]}``, both endpoints; drafts follow it and re-align after each change, the output
+    stays the target's; usage then carries ``completion_tokens_details`` with
+    accepted_prediction_tokens, the prediction's tokens drafted and accepted, and
+    rejected_prediction_tokens, those drafted, verified and discarded), speculative (this
+    server's extension, which OpenAI clients send with ``extra_body``: ``{"draft": "auto" |
+    "none" | "ngram" | "suffix" | "prediction" | <the loaded draft model's name>,
+    "num_speculative_tokens": 0..32 | "auto"}``; only what the server loaded, else 400 naming
+    speculative.draft; see :mod:`.extensions`).
 Accepted and ignored: user. Accepted only at their default (no effect): echo = false,
 best_of = 1, logit_bias = {}, tools = [].
 Any other field answers 400 naming it.
@@ -102,6 +111,7 @@ for SIGTERM) without waiting for streams to run to their end.
 
 Modules, one job each: :mod:`.config` (:class:`ServerOptions`, the server's options as
 one checked object), :mod:`.protocol` (request parsing and validation, pure),
+:mod:`.extensions` (prediction and speculative, and the usage details they add),
 :mod:`.metrics` (Prometheus), :mod:`.worker` (the generation thread), :mod:`.app` (the
 FastAPI routes and responses), :mod:`.cli` (the ``serve`` subcommand), :mod:`.ray_serve`
 (``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
