@@ -340,6 +340,17 @@ def test_the_forced_call_matches_the_schema(smollm):
     assert n == total and not c.accepting
 
 
+def test_a_schema_the_grammar_cannot_compile_names_tools(smollm):
+    from specdecode.grammar import check_grammar
+
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}]
+    grammar = chat({"tools": broken, "tool_choice": "required"}).options.grammar
+    with pytest.raises(SpecDecodeError) as e:
+        check_grammar(grammar, smollm)
+    assert e.value.param == "tools" and "cannot be compiled" in str(e.value)
+
+
 def test_constrained_generation_gives_calls_valid_for_the_schema(smollm_path):
     """A small model that was never taught the format, sampled, forced by the grammar under
     speculation: every answer parses into calls whose arguments the schema accepts."""
@@ -352,13 +363,31 @@ def test_constrained_generation_gives_calls_valid_for_the_schema(smollm_path):
     with specdecode.Decoder(target=str(smollm_path), draft="ngram", num_speculative_tokens=4, n_ctx=1024,
                             progress=False) as dec:
         ids = dec.prompt_ids(messages=ASK)
-        for i in range(3):
+        for i in range(2):  # two seeds (choices 0 and 1)
             res = dec.generate(prompt_ids=ids, options=req.choice_options(i, 80))
             assert res.finish_reason == "stop", res.text
             content, calls = parse_message(res.text, req.tools.parser())
             assert content is None and len(calls) == 1, res.text
             assert calls[0]["function"]["name"] == "get_weather"
             jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schema)
+
+
+def test_the_torch_backend_passes_tools_to_the_tokenizers_template():
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    from specdecode.backends.torch_backend import TorchBackend
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="</s>")
+    tok.chat_template = ("{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"
+                         "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments "
+                         "| tojson }}{% endfor %}\n{% endfor %}")
+    fake = SimpleNamespace(tokenizer=tok, name="t")
+    fake.chat_template = TorchBackend.chat_template.fget(fake)
+    text = TorchBackend.apply_chat_template(fake, template_messages(check_messages(FOLLOW_UP[:2])), tools=TOOLS)
+    assert text.startswith("TOOL get_weather\nTOOL get_time\nuser: ")
+    assert 'CALL {"city": "Paris", "unit": "celsius"}' in text
+    assert "TOOL" not in TorchBackend.apply_chat_template(fake, check_messages(ASK))
 
 
 # --- the default target: its template, and a round trip through the openai client ----------
