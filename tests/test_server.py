@@ -377,7 +377,7 @@ BAD = [
     ("c", {"model": 7, "prompt": "hi"}, 400, "model"),
     ("x", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("x", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("x", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("x", {"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
     ("x", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("x", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content"),

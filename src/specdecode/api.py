@@ -25,7 +25,7 @@ from .errors import SpecDecodeError
 from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, check_text, \
     check_parallel
 from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
-from .messages import check_messages
+from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
 from .parity import NEAR_TIE_GAP, parity_report
 from .request import GenerationOptions
@@ -129,20 +129,28 @@ class Decoder:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
+    def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
+                   tools: Sequence[dict] | None = None) -> list[int]:
         """Tokenize a raw prompt (BOS added if the model wants it) or chat messages (the
-        model's own chat template). Exactly one of the two must be given.
+        model's own chat template). Exactly one of the two must be given. tools: OpenAI tool
+        objects the chat template presents to the model (messages only; checked by the caller,
+        as the server's :mod:`specdecode.server.tools` does).
         Raises SpecDecodeError naming the field at fault (see :func:`check_messages`)."""
         if (prompt is None) == (messages is None):
             raise SpecDecodeError("give exactly one of prompt or messages")
+        if tools and messages is None:
+            raise SpecDecodeError("tools are presented by the chat template: give messages, not a prompt",
+                                  param="tools")
         with self._lock:
-            return self._prompt_ids(prompt, messages)
+            return self._prompt_ids(prompt, messages, tools)
 
-    def _prompt_ids(self, prompt: str | None, messages: Sequence[dict] | None) -> list[int]:
+    def _prompt_ids(self, prompt: str | None, messages: Sequence[dict] | None,
+                    tools: Sequence[dict] | None = None) -> list[int]:
         self._check_open()
         if messages is not None:
-            text = self.target.apply_chat_template(check_messages(list(messages) if isinstance(messages, tuple)
-                                                                  else messages))
+            checked = template_messages(check_messages(list(messages) if isinstance(messages, tuple) else messages))
+            text = (self.target.apply_chat_template(checked, tools=tools) if tools else
+                    self.target.apply_chat_template(checked))
             return self.target.tokenize(text, add_special=False, parse_special=True)
         if not isinstance(prompt, str):
             raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")

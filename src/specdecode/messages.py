@@ -2,7 +2,11 @@
 
 A conversation is a non-empty list of ``{"role": ..., "content": ...}`` objects; role is
 one of CHAT_ROLES, content a string or a list of ``{"type": "text", "text": ...}`` parts
-(joined). The model's own chat template renders the result.
+(joined). Tool use adds two shapes: an assistant message may carry ``tool_calls``
+(``[{"id", "type": "function", "function": {"name", "arguments": a JSON string}}]``, its
+content then null, absent or text), and a ``tool`` message answers one of them
+(``tool_call_id`` and content). :func:`template_messages` gives them in the form chat
+templates read (each call's arguments decoded); the model's own chat template renders them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Any
 from .errors import SpecDecodeError
 from .limits import check_text
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The fields each role may carry besides role and content.
+_ROLE_FIELDS = {"system": (), "user": (), "assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 
 
 def json_repr(value: Any, limit: int = 60) -> str:
@@ -26,37 +32,104 @@ def json_repr(value: Any, limit: int = 60) -> str:
 
 
 def check_messages(value: Any, name: str = "messages") -> list[dict]:
-    """The conversation as a list of {"role", "content": str} dicts.
+    """The conversation as a list of {"role", "content": str} dicts (an assistant message
+    with tool_calls: content str or None, and its "tool_calls"; a tool message: its
+    "tool_call_id").
 
     Raises SpecDecodeError whose ``param`` names the offending element (e.g.
-    "messages[2].role") and whose message shows its value.
+    "messages[2].role", "messages[1].tool_calls[0].function.arguments") and whose message
+    shows its value.
     """
     if not isinstance(value, list) or not value:
         raise SpecDecodeError(f"{name} must be a non-empty list of messages, got {json_repr(value)}", param=name)
+    return [_check_message(msg, f"{name}[{i}]") for i, msg in enumerate(value)]
+
+
+def _check_message(msg: Any, where: str) -> dict:
+    if not isinstance(msg, dict):
+        raise SpecDecodeError(f"{where} must be an object, got {json_repr(msg)}", param=where)
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise SpecDecodeError(f"{where}.role = {json_repr(role)} is not supported: expected one of "
+                              f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
+    allowed = ("role", "content", *_ROLE_FIELDS[role])
+    extra = sorted(k for k, v in msg.items() if k not in allowed and v is not None)
+    if extra:
+        raise SpecDecodeError(f"{where}: unsupported field(s) {', '.join(extra)}; a message of role {role} may carry "
+                              f"{', '.join(allowed)}", param=f"{where}.{extra[0]}")
+    out: dict = {"role": role}
+    if role == "assistant" and msg.get("tool_calls") is not None:
+        out["tool_calls"] = _check_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        out["content"] = None if msg.get("content") is None else _content(msg["content"], where)
+        return out
+    out["content"] = _content(msg.get("content"), where)
+    if role == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise SpecDecodeError(f"{where}.tool_call_id must be the id of the tool call this message answers (a "
+                                  f"non-empty string), got {json_repr(call_id)}", param=f"{where}.tool_call_id")
+        out["tool_call_id"] = check_text(call_id, f"{where}.tool_call_id")
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content as one string (text parts joined)."""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise SpecDecodeError(f"{where}.content[{j}] = {json_repr(part)} is not supported: only "
+                                      '{"type": "text", "text": ...} parts are', param=f"{where}.content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise SpecDecodeError(f"{where}.content must be a string or a list of text parts, got "
+                              f"{json_repr(content)}", param=f"{where}.content")
+    return check_text(content, f"{where}.content")
+
+
+def _check_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls as [{"id", "type": "function", "function": {"name",
+    "arguments": str}}]."""
+    if not isinstance(calls, list) or not calls:
+        raise SpecDecodeError(f"{where} must be a non-empty list of tool calls, got {json_repr(calls)}", param=where)
     out = []
-    for i, msg in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(msg, dict):
-            raise SpecDecodeError(f"{where} must be an object, got {json_repr(msg)}", param=where)
-        extra = sorted(k for k, v in msg.items() if k not in ("role", "content") and v is not None)
-        if extra:
-            raise SpecDecodeError(f"{where}: unsupported field(s) {', '.join(extra)}; only role and content are "
-                                  "honoured", param=f"{where}.{extra[0]}")
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise SpecDecodeError(f"{where}.role = {json_repr(role)} is not supported: expected one of "
-                                  f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
-        content = msg.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise SpecDecodeError(f"{where}.content[{j}] = {json_repr(part)} is not supported: only "
-                                          '{"type": "text", "text": ...} parts are', param=f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise SpecDecodeError(f"{where}.content must be a string or a list of text parts, got "
-                                  f"{json_repr(content)}", param=f"{where}.content")
-        out.append({"role": role, "content": check_text(content, f"{where}.content")})
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or \
+                not set(k for k, v in call.items() if v is not None) <= {"id", "type", "function"}:
+            raise SpecDecodeError(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                                  f'"arguments": ...}}}}, got {json_repr(call)}', param=at)
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not set(k for k, v in fn.items() if v is not None) <= {"name", "arguments"}:
+            raise SpecDecodeError(f'{at}.function must be {{"name": ..., "arguments": ...}}, got {json_repr(fn)}',
+                                  param=f"{at}.function")
+        for key, v in (("id", call.get("id")), ("function.name", fn.get("name")),
+                       ("function.arguments", fn.get("arguments"))):
+            if not isinstance(v, str) or (not v and key != "function.arguments"):
+                what = "a string (the arguments as JSON text)" if key == "function.arguments" else "a non-empty string"
+                raise SpecDecodeError(f"{at}.{key} must be {what}, got {json_repr(v)}", param=f"{at}.{key}")
+            check_text(v, f"{at}.{key}")
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Checked messages as chat templates read them: each tool call's arguments decoded
+    from their JSON text when that text is a JSON object (templates write them with
+    ``tojson``, as transformers' convention has it); other text is kept as it is."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                try:
+                    args = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    args = None
+                fn = {**call["function"], "arguments": args} if isinstance(args, dict) else call["function"]
+                calls.append({**call, "function": fn})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
     return out

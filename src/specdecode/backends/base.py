@@ -124,8 +124,16 @@ class Backend(Protocol):
     def token_text(self, token_id: int) -> bytes:
         """The token's vocabulary entry as bytes, control tokens included (for compatibility checks)."""
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        """Render OpenAI-style messages with the model's own chat template, generation prompt added."""
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template (Jinja source), None when it has none."""
+
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """Render OpenAI-style messages (as :func:`specdecode.messages.template_messages`
+        gives them) with the model's own chat template, generation prompt added. tools:
+        OpenAI tool objects (``{"type": "function", "function": {...}}``) the template
+        presents to the model (None or empty: no tools). Raises SpecDecodeError when the
+        model has no chat template or the template rejects the messages."""
 
     def forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> np.ndarray:
         """Append token_ids [N] to sequence seq's cache and return logits [M, V] (float32).
@@ -186,6 +194,7 @@ class BackendBase:
     supports_greedy_draft = False
     supports_hidden_states = False
     invariant_block: int | None = None
+    chat_template: str | None = None  # a backend whose model has one overrides this
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len

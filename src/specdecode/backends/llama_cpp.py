@@ -268,31 +268,25 @@ class LlamaCppBackend(BackendBase):
         t = self._lib.llama_model_chat_template(self._model, None)
         return t.decode("utf-8") if t else None
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        """Render messages with the GGUF's own Jinja chat template (add_generation_prompt=True).
-
-        Raises SpecDecodeError when the model has no chat template or the messages are malformed.
-        """
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """Render messages (and tools, when given) with the GGUF's own Jinja chat template, as
+        llama-cpp-python's Jinja2ChatFormatter does (a sandboxed environment; add_generation_prompt,
+        bos_token, eos_token, tools). Raises SpecDecodeError when the model has no chat
+        template or the template rejects the messages (its raise_exception, or a field it lacks)."""
+        import jinja2
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        template = self.chat_template
-        if not template:
+        if not self.chat_template:
             raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise SpecDecodeError(f"chat messages need 'role' and 'content', got {m!r}")
-        bos = self.bos_id
-        eos = int(self._lib.llama_vocab_eos(self._vocab))
-        fmt = Jinja2ChatFormatter(
-            template=template,
-            eos_token=self.token_text(eos).decode("utf-8", "replace") if eos >= 0 else "",
-            bos_token=self.token_text(bos).decode("utf-8", "replace") if bos is not None else "",
-        )
-        import jinja2
-
+        if any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
+            raise SpecDecodeError(f"chat messages need 'role' and 'content', got {list(messages)!r:.200}")
+        bos, eos = self.bos_id, int(self._lib.llama_vocab_eos(self._vocab))
+        fmt = Jinja2ChatFormatter(template=self.chat_template,
+                                  eos_token=self.token_text(eos).decode("utf-8", "replace") if eos >= 0 else "",
+                                  bos_token=self.token_text(bos).decode("utf-8", "replace") if bos is not None else "")
         try:
-            return fmt(messages=list(messages)).prompt
-        except jinja2.TemplateError as e:
+            return fmt(messages=list(messages), tools=list(tools) if tools else None).prompt
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise SpecDecodeError(f"the chat template of {self.name} rejected the messages: {e}") from None
 
     # --- evaluation -------------------------------------------------------------------

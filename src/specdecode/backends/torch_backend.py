@@ -234,11 +234,19 @@ class TorchBackend(BackendBase):
         self._piece_cache[token_id] = piece
         return piece
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template; several named ones (a dict) joined, so that what
+        reads it (the server's choice of tool-call format) sees them all."""
+        t = getattr(self.tokenizer, "chat_template", None)
+        return "\n".join(str(v) for v in t.values()) if isinstance(t, dict) else t or None
+
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or not self.chat_template:
             raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
-        return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                       add_generation_prompt=True)
 
     @property
     def cost_key(self) -> str:

@@ -32,8 +32,9 @@ running one is ended after the current step (its caches rolled back) and frees i
 
 Request fields honoured (a field whose value is null counts as absent):
     model (required; must be the served model's id), prompt (completions: one string) or
-    messages (chat: role system/user/assistant, content a string or a list of text
-    parts), max_tokens / max_completion_tokens, temperature (0..MAX_TEMPERATURE = 2),
+    messages (chat: role system/user/assistant/tool, content a string or a list of text
+    parts; an assistant message may carry tool_calls, a tool message its tool_call_id:
+    see Tool calls below), max_tokens / max_completion_tokens, temperature (0..MAX_TEMPERATURE = 2),
     top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty (engine
     semantics: over the last 64 tokens, prompt included, as llama.cpp's repeat_last_n),
     seed, stop (string or list), stream, stream_options.include_usage, logprobs
@@ -42,7 +43,8 @@ Request fields honoured (a field whose value is null counts as absent):
     ({"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema":
     {"name", "schema", "strict"}}: structured output, enforced by the grammar mask at every
     verified position, see :mod:`specdecode.grammar`; a schema that cannot be compiled
-    answers 400 naming response_format).
+    answers 400 naming response_format), and for chat tools, tool_choice,
+    parallel_tool_calls (see Tool calls below);
     prediction (OpenAI's predicted outputs: ``{"type": "content", "content": str | [text
     parts]}``, both endpoints; drafts follow it and re-align after each change, the output
     stays the target's; usage then carries ``completion_tokens_details`` with
@@ -53,8 +55,51 @@ Request fields honoured (a field whose value is null counts as absent):
     "num_speculative_tokens": 0..32 | "auto"}``; only what the server loaded, else 400 naming
     speculative.draft; see :mod:`.extensions`).
 Accepted and ignored: user. Accepted only at their default (no effect): echo = false,
-best_of = 1, logit_bias = {}, tools = [].
+best_of = 1, logit_bias = {}, and on completions tools = [].
 Any other field answers 400 naming it.
+
+Tool calls (chat; :mod:`.tools`, :mod:`.toolcalls`): ``tools`` is OpenAI's list of
+``{"type": "function", "function": {"name", "description", "parameters": a JSON schema,
+"strict"}}`` (names of 1..64 letters, digits, _ and -, unique); ``tool_choice`` is "auto"
+(the default with tools), "none", "required" or ``{"type": "function", "function":
+{"name": ...}}`` (one of the tools; 400 naming tool_choice.function.name otherwise);
+``parallel_tool_calls`` a boolean (default true). A bad shape is a 400 naming the field
+exactly (``tools[1].function.name``). The model's own chat template presents the tools
+(Qwen2.5's in its system prompt) and renders the conversation's tool use: assistant
+messages with ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+"arguments": JSON text}}]``, content null or text; the template gets each call's arguments
+decoded to an object, as templates expect) and ``tool`` messages (``tool_call_id`` and
+content). Which format the model writes calls in comes from its chat template (a registry
+of formats, :data:`.toolcalls.FORMATS`; today Hermes/Qwen2.5's ``<tool_call>\n{"name":
+..., "arguments": {...}}\n</tool_call>``, possibly several); a request with tools for a
+model whose template teaches no known format is a 400 (param tools) saying so.
+- "auto": the model answers text or calls, unconstrained; its calls are read out of the
+  text. "required": the output is forced (the grammar mask, as response_format, exact under
+  speculation) to be one call of one of the tools, or one or more with
+  parallel_tool_calls, each call's arguments valid for that tool's parameters schema
+  (strict or not); a named function: exactly one call of it. "none": the tools are not
+  shown to the model and its output is never read for calls, so the answer is text (no
+  tool_calls ever), and then response_format may be given too; with any other
+  tool_choice, tools and response_format together are a 400.
+- The answer: ``message.tool_calls`` (``[{"id": "call_<24 hex>", "type": "function",
+  "function": {"name", "arguments": the JSON text as generated}}]``), ``content`` the text
+  outside the calls (null when there is none; the whitespace right before a call, and
+  after the last one, dropped), ``finish_reason`` "tool_calls" when the choice made calls
+  and ended by itself ("length" stays "length": its last call's arguments are then cut).
+  Text that does not begin a call as the format has it (another key order, a name that is
+  no tool's, arguments that are no object) stays content, tags and all, with
+  finish_reason "stop". With parallel_tool_calls false, calls after the first are dropped.
+- Streaming, as OpenAI does: content deltas hold back text that may begin a
+  ``<tool_call>`` (and whitespace that may precede one); a call opens with a delta
+  ``{"tool_calls": [{"index": i, "id": ..., "type": "function", "function": {"name": ...,
+  "arguments": ""}}]}`` once its name is read, then ``{"tool_calls": [{"index": i,
+  "function": {"arguments": <next piece>}}]}`` as its arguments arrive. One parser reads the
+  stream delta by delta and the full response's text at once, so the stream's content and
+  argument pieces join to the full response's (for the same text). A call whose
+  arguments break after its name was read is still a call, with the arguments as generated
+  (OpenAI's arguments may be no valid JSON either; under required or a named function they
+  always are). With logprobs, a delta's logprobs ride on the first chunk its text gives, on
+  an empty delta when the parser holds all of it back.
 
 Defaults: temperature 1 (as OpenAI; the CLI and the Python API default to greedy, so
 send temperature 0 for greedy output), max_tokens 16 for completions (as OpenAI), the
@@ -110,11 +155,14 @@ stream ends with an error chunk and ``data: [DONE]``), and the process exits (st
 for SIGTERM) without waiting for streams to run to their end.
 
 Modules, one job each: :mod:`.config` (:class:`ServerOptions`, the server's options as
-one checked object), :mod:`.protocol` (request parsing and validation, pure),
-:mod:`.extensions` (prediction and speculative, and the usage details they add),
-:mod:`.metrics` (Prometheus), :mod:`.worker` (the generation thread), :mod:`.app` (the
-FastAPI routes and responses), :mod:`.cli` (the ``serve`` subcommand), :mod:`.ray_serve`
-(``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
+one checked object), :mod:`.apierror` (:class:`APIError`, the error answer), :mod:`.body`
+(decoding a request body), :mod:`.protocol` (request parsing and validation, pure),
+:mod:`.tools` (the tool fields of a request), :mod:`.extensions` (prediction and speculative,
+and the usage details they add), :mod:`.toolcalls` (tool-call formats: their
+parser and grammar), :mod:`.metrics` (Prometheus), :mod:`.worker` (the generation
+thread), :mod:`.responses` (response bodies and stream chunks), :mod:`.app` (the FastAPI
+routes), :mod:`.cli` (the ``serve`` subcommand), :mod:`.ray_serve` (``specdecode serve
+--replicas``: replicas on Ray Serve). Importing this package does not
 import FastAPI, uvicorn or prometheus_client.
 """
 

@@ -1,4 +1,4 @@
-"""The FastAPI app of ``specdecode serve``: routes, full responses, server-sent-event streams, model cards.
+"""The FastAPI app of ``specdecode serve``: routes, streams as server-sent events, model cards (the bodies are :mod:`.responses`').
 
 FastAPI, Starlette and prometheus_client are imported inside the functions that use them
 (:func:`create_app` and the routes), so that importing :mod:`specdecode.server` (as the CLI
@@ -12,16 +12,14 @@ import contextlib
 import functools
 import hashlib
 import hmac
-import json
 import time
-import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from .config import ServerOptions
-from .extensions import completion_details
 from .metrics import Metrics
-from .protocol import APIError, GenRequest, json_repr, parse_json_body, parse_request
+from .protocol import APIError, json_repr, parse_json_body, parse_request
+from .responses import full_response, stream
 from .worker import Job, Worker
 
 if TYPE_CHECKING:
@@ -120,21 +118,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise too_large(f"over {limit}")
     return bytes(body)
-
-
-def _sse(obj: dict | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
-def _usage(results: list) -> dict:
-    """The request's usage: the prompt once (every choice reads the same one, as OpenAI
-    counts it), completion tokens summed over the choices."""
-    prompt = results[0].stats.prompt_tokens
-    completion = sum(r.stats.completion_tokens for r in results)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    details = completion_details(results)
-    return {**usage, "completion_tokens_details": details} if details else usage
 
 
 def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
@@ -292,8 +275,8 @@ class _Routes:
         if event[0] == "error":
             raise event[1]
         if not req.stream:
-            return JSONResponse(_full_response(kind, self.model_name, choices, self.speculation))
-        return _sse_response_class()(_stream(kind, self.model_name, req, job, event, self.speculation),
+            return JSONResponse(full_response(kind, self.model_name, choices, self.speculation, req.tools))
+        return _sse_response_class()(stream(kind, self.model_name, req, job, event, self.speculation),
                                      on_close=lambda: self.worker.cancel(job))
 
     async def _submit(self, request: Request, kind: str) -> Job:
@@ -302,7 +285,7 @@ class _Routes:
         arrival = time.perf_counter()
         try:
             body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
-            req = parse_request(body, kind, self.model_name, self.worker.n_ctx)
+            req = parse_request(body, kind, self.model_name, self.worker.n_ctx, self.worker.tool_format)
         except APIError as e:
             reason = {404: "model_not_found", 413: "too_large"}.get(e.status, "invalid_request")
             self.metrics.rejected.labels(reason=reason).inc()
@@ -345,92 +328,3 @@ class _Routes:
         from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
-
-
-def _full_response(kind: str, model_name: str, choices: list[tuple[int, Any, dict | None]],
-                   speculation: Callable[[Any], dict]) -> dict:
-    """The whole response; choices: (index, GenerationResult, logprobs object) per choice.
-    One choice: ``speculation`` at the top; several: on each choice."""
-    items = []
-    for index, result, logprobs in choices:
-        if kind == "chat":
-            item = {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                    "finish_reason": result.finish_reason}
-        else:
-            item = {"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        if len(choices) > 1:
-            item["speculation"] = speculation(result)
-        items.append(item)
-    if kind == "chat":
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
-    else:
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
-    results = [result for _, result, _ in choices]
-    out = {**head, "created": int(time.time()), "model": model_name, "system_fingerprint": None,
-           "choices": items, "usage": _usage(results)}
-    if len(choices) == 1:
-        out["speculation"] = speculation(results[0])
-    return out
-
-
-async def _stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any],
-                  speculation: Callable[[Any], dict]) -> AsyncIterator[str]:
-    """The SSE chunks of a stream, choice after choice (each opened, for chat, by its role
-    chunk and closed by its finish_reason chunk); then, as OpenAI does, with
-    stream_options.include_usage only, one chunk with empty choices and the request's
-    usage (every other chunk then has usage null; without the option no chunk has usage);
-    then [DONE]."""
-    chat = kind == "chat"
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model_name, "system_fingerprint": None}
-    if req.include_usage:
-        head["usage"] = None
-
-    def chunk(index: int, text: str | None, finish: str | None = None, logprobs: dict | None = None,
-              role: bool = False) -> dict:
-        if chat:
-            delta: dict = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**head, "choices": [choice]}
-
-    results: list = []
-    opened: set[int] = set()
-    event = first
-    while True:
-        kind_, value = event
-        if kind_ == "error":
-            yield _sse(value.body())
-            break
-        index = value[0]
-        if chat and index not in opened:
-            opened.add(index)
-            yield _sse(chunk(index, "", role=True))
-        if kind_ == "delta":
-            yield _sse(chunk(index, value[1], logprobs=value[2]))
-        else:
-            _, result, logprobs = value
-            results.append(result)
-            last = len(results) == req.n
-            spec = speculation(result)
-            final = chunk(index, None if chat else "", finish=result.finish_reason, logprobs=logprobs)
-            if req.n > 1:
-                final["choices"][0]["speculation"] = spec
-            if last and req.n == 1:
-                final["speculation"] = spec
-            yield _sse(final)
-            if last:
-                if req.include_usage:
-                    tail = {**head, "choices": [], "usage": _usage(results)}
-                    if req.n == 1:
-                        tail["speculation"] = spec
-                    yield _sse(tail)
-                break
-        event = await job.events.get()
-    yield _sse("[DONE]")

@@ -9,18 +9,24 @@ in the package docstring (:mod:`specdecode.server`).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..errors import ContextOverflowError, SpecDecodeError
+from ..errors import SpecDecodeError
 from ..grammar import Grammar
 from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
 from ..request import GenerationOptions
 from ..sampling import SamplingParams
 from .extensions import parse_prediction, parse_speculative
+from .apierror import APIError, from_specdecode_error
+from .body import MAX_JSON_DEPTH, parse_json_body
+from .toolcalls import ToolCallFormat
+from .tools import ToolRequest, parse_tools
+
+__all__ = ["APIError", "GenRequest", "MAX_JSON_DEPTH", "from_specdecode_error", "json_repr", "parse_json_body",
+           "parse_request", "resolve_max_tokens"]
 
 # max_tokens of a completion that gives none (OpenAI's default); chat defaults to the
 # rest of the context.
@@ -37,7 +43,7 @@ _COMMON_FIELDS = frozenset({
     "stream_options", "logprobs", "n", "user", "response_format", "prediction", "speculative",
 })
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 # Standard fields accepted only at the value that asks for nothing beyond what is served.
 _HARMLESS_DEFAULTS: dict[str, Any] = {
     "echo": False, "best_of": 1, "logit_bias": {}, "tools": [],
@@ -45,38 +51,6 @@ _HARMLESS_DEFAULTS: dict[str, Any] = {
 _FLOAT_SAMPLING_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                           "frequency_penalty")
 _INT_SAMPLING_FIELDS = ("top_k", "seed")
-
-
-class APIError(Exception):
-    """An error answered to the client with an OpenAI-style body.
-
-    status: HTTP status. type/param/code: the fields of ``{"error": {...}}``; param names
-    the request field at fault (None when no single field is).
-    """
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict:
-        """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def from_specdecode_error(e: SpecDecodeError, param: str | None = None) -> APIError:
-    """A SpecDecodeError is the client's mistake here: a 400 with its message.
-
-    The field is the error's own ``param`` when it names one, else ``param`` (e.g.
-    "prompt" for errors found when the prompt is tokenized). A ContextOverflowError gets
-    code context_length_exceeded.
-    """
-    code = "context_length_exceeded" if isinstance(e, ContextOverflowError) else None
-    return APIError(400, str(e), param=e.param or param, code=code)
 
 
 @dataclass
@@ -88,7 +62,9 @@ class GenRequest:
     :func:`resolve_max_tokens`). options: what each generation asks for (sampling with
     temperature always set, stop, logprobs, grammar), all but max_tokens, which is settled
     once the prompt is tokenized; :meth:`choice_options` gives a choice's complete options.
-    n: choices, 1..MAX_N, each its own sequence. prediction: its text (:mod:`.extensions`).
+    n: choices, 1..MAX_N, each its own sequence. tools: the tools the chat template
+    presents and the output is read for (:mod:`.tools`), None without. prediction: its text
+    (:mod:`.extensions`).
     """
 
     kind: str
@@ -100,6 +76,7 @@ class GenRequest:
     include_usage: bool = False
     n: int = 1
     prediction: str | None = None
+    tools: ToolRequest | None = None
 
     @property
     def logprobs(self) -> int | None:
@@ -116,73 +93,6 @@ class GenRequest:
         if seed is None or i == 0:
             return options
         return replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64))
-
-
-# How deep a request body's arrays and objects may nest: a real request nests a few levels
-# (a json_schema some more); far deeper ones only make every walk over the body recurse.
-MAX_JSON_DEPTH = 64
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body. NaN and Infinity are refused: they are not JSON, and a
-    client sending them has a bug worth reporting. So are arrays and objects nested
-    deeper than MAX_JSON_DEPTH, and strings (or field names) holding a lone UTF-16
-    surrogate (a \\ud800 escape without its pair): they are no Unicode text, and could
-    reach neither the tokenizer nor a UTF-8 response. Raises APIError (400; for a
-    surrogate, param names the field, e.g. "messages[0].content")."""
-
-    def reject_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        body = json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, f"the request body is nested too deeply: arrays and objects may nest at most "
-                       f"{MAX_JSON_DEPTH} levels") from None
-    _check_body_values(body)
-    return body
-
-
-def _check_body_values(body: Any) -> None:
-    """400 for nesting deeper than MAX_JSON_DEPTH or a string holding a lone surrogate
-    (walked without recursion, so that depth alone cannot exhaust the stack). A value's
-    path ("messages[0].content") is built only for containers and for the error."""
-
-    def join(parent: str, key: str | int) -> str:
-        return f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}" if parent else key
-
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
-    while stack:
-        container, path, depth = stack.pop()
-        if depth >= MAX_JSON_DEPTH:
-            top = path.split(".")[0].split("[")[0] or None
-            raise APIError(400, f"the request body is nested too deeply{f' (in {top})' if top else ''}: arrays "
-                           f"and objects may nest at most {MAX_JSON_DEPTH} levels", param=top)
-        items = enumerate(container) if isinstance(container, list) else \
-            container.items() if isinstance(container, dict) else ()
-        for key, value in items:
-            if isinstance(key, str):
-                _check_text(key, f"a field name in {path or 'the request body'}", path or None)
-            if isinstance(value, str):
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    _check_text(value, join(path, key), join(path, key))
-            elif isinstance(value, (dict, list)):
-                stack.append((value, join(path, key), depth + 1))
-
-
-def _check_text(text: str, where: str, param: str | None) -> None:
-    """400 when text holds a lone surrogate (U+D800..U+DFFF: what a JSON \\ud800 escape
-    without its pair decodes to), naming where it is and at which character."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{where} contains a lone surrogate (\\u{ord(text[e.start]):04x} at character "
-                       f"{e.start}), which is not valid Unicode text: send UTF-8, with every \\ud800-\\udbff "
-                       "escape followed by its \\udc00-\\udfff pair", param=param) from None
 
 
 def _is_int(x: Any) -> bool:
@@ -294,11 +204,14 @@ def parse_response_format(value: Any) -> Grammar | None:
                    "{...}}}", param="response_format")
 
 
-def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenRequest:
+def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
+                  tool_format: ToolCallFormat | None = None) -> GenRequest:
     """Validate a decoded JSON body for ``kind`` "completion" or "chat".
 
     model_name: the id the client must send as ``model``. n_ctx: the context size in
-    tokens, the upper bound of max_tokens. Checks what can be checked without the model
+    tokens, the upper bound of max_tokens. tool_format: the tool-call format of the served
+    model's chat template (:func:`.toolcalls.tool_call_format`), None when it has none (a
+    request with tools is then a 400). Checks what can be checked without the model
     (types, ranges, unsupported fields, the model name); the prompt's length against the
     context is checked when it is tokenized (:func:`resolve_max_tokens`). Raises APIError:
     404 (code model_not_found) for another model, 400 for anything else, with ``param``
@@ -317,6 +230,9 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
     stream, include_usage = _parse_stream(b, body)
     logprobs = _parse_logprobs(b, kind)
     grammar = parse_response_format(body.get("response_format"))
+    tools = parse_tools(body, tool_format) if kind == "chat" else None
+    if tools is not None:
+        grammar = tools.grammar()
     b.string("user")
     try:
         prediction = parse_prediction(body.get("prediction"))
@@ -325,7 +241,7 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int) -> GenReque
     except SpecDecodeError as e:
         raise from_specdecode_error(e) from None
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,
-                      stream=stream, include_usage=include_usage, n=n, prediction=prediction)
+                      stream=stream, include_usage=include_usage, n=n, tools=tools, prediction=prediction)
 
 
 def _check_model(b: _Body, model_name: str) -> None:

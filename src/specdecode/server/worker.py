@@ -24,6 +24,7 @@ from .config import ServerOptions
 from .extensions import FIELD_OF_OPTION
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, from_specdecode_error, resolve_max_tokens
+from .toolcalls import tool_call_format
 
 
 @dataclass(eq=False)
@@ -92,6 +93,8 @@ class Worker:
         self.options = options
         self.n_ctx = int(decoder.target.n_ctx)
         self.slots = len(decoder.engine.slots)
+        # The tool-call format the target's chat template teaches (None: it cannot take tools).
+        self.tool_format = tool_call_format(getattr(decoder.target, "chat_template", None))
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[_Running] = []
@@ -242,7 +245,7 @@ class Worker:
         req = r.job.req
         if r.job.cancelled.is_set():
             return self._cancelled(r)
-        r.ids = self.decoder.prompt_ids(req.prompt, req.messages)
+        r.ids = self.decoder.prompt_ids(req.prompt, req.messages, req.tools.tools if req.tools else None)
         r.max_tokens = resolve_max_tokens(req, len(r.ids), self.n_ctx)
         if req.prediction:
             r.prediction = tuple(self.decoder.prediction_ids(req.prediction)) or None

@@ -1,0 +1,75 @@
+"""Decoding a request body of the OpenAI-compatible endpoints: JSON that is text all through
+(no NaN, no lone surrogate) and nests no deeper than MAX_JSON_DEPTH."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .apierror import APIError
+
+# How deep a request body's arrays and objects may nest: a real request nests a few levels
+# (a json_schema some more); far deeper ones only make every walk over the body recurse.
+MAX_JSON_DEPTH = 64
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Decode a request body. NaN and Infinity are refused: they are not JSON, and a
+    client sending them has a bug worth reporting. So are arrays and objects nested
+    deeper than MAX_JSON_DEPTH, and strings (or field names) holding a lone UTF-16
+    surrogate (a \\ud800 escape without its pair): they are no Unicode text, and could
+    reach neither the tokenizer nor a UTF-8 response. Raises APIError (400; for a
+    surrogate, param names the field, e.g. "messages[0].content")."""
+
+    def reject_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply: arrays and objects may nest at most "
+                       f"{MAX_JSON_DEPTH} levels") from None
+    _check_body_values(body)
+    return body
+
+
+def _check_body_values(body: Any) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH or a string holding a lone surrogate
+    (walked without recursion, so that depth alone cannot exhaust the stack). A value's
+    path ("messages[0].content") is built only for containers and for the error."""
+
+    def join(parent: str, key: str | int) -> str:
+        return f"{parent}[{key}]" if isinstance(key, int) else f"{parent}.{key}" if parent else key
+
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        container, path, depth = stack.pop()
+        if depth >= MAX_JSON_DEPTH:
+            top = path.split(".")[0].split("[")[0] or None
+            raise APIError(400, f"the request body is nested too deeply{f' (in {top})' if top else ''}: arrays "
+                           f"and objects may nest at most {MAX_JSON_DEPTH} levels", param=top)
+        items = enumerate(container) if isinstance(container, list) else \
+            container.items() if isinstance(container, dict) else ()
+        for key, value in items:
+            if isinstance(key, str):
+                _check_text(key, f"a field name in {path or 'the request body'}", path or None)
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    _check_text(value, join(path, key), join(path, key))
+            elif isinstance(value, (dict, list)):
+                stack.append((value, join(path, key), depth + 1))
+
+
+def _check_text(text: str, where: str, param: str | None) -> None:
+    """400 when text holds a lone surrogate (U+D800..U+DFFF: what a JSON \\ud800 escape
+    without its pair decodes to), naming where it is and at which character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{where} contains a lone surrogate (\\u{ord(text[e.start]):04x} at character "
+                       f"{e.start}), which is not valid Unicode text: send UTF-8, with every \\ud800-\\udbff "
+                       "escape followed by its \\udc00-\\udfff pair", param=param) from None

@@ -1,0 +1,279 @@
+"""Tool calls in generated text: the formats chat templates teach, read back and enforced.
+
+A :class:`ToolCallFormat` says from a chat template whether the model was taught it
+(:meth:`~ToolCallFormat.matches`), reads its calls out of generated text incrementally
+(:meth:`~ToolCallFormat.parser`: the same parser serves a stream, fed delta by delta, and
+a full response, fed the whole text at once, so the two agree) and builds the grammar that
+forces calls (:meth:`~ToolCallFormat.grammar`, for tool_choice required or a named
+function). :func:`tool_call_format` picks the first of FORMATS whose template test passes:
+a new model family is one more format there.
+
+Parts a parser returns, in text order: ``("content", text)``, ``("call", index, id, name)``
+(a call begins: its name is known), ``("arguments", index, text)`` (the next piece of that
+call's arguments, as generated: the pieces join to the arguments' JSON text).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Collection
+
+from ..grammar import Grammar
+
+# What a tool's name may hold (OpenAI's rule): names are matched, and written into grammars, as they are.
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MAX_NAME_LEN = 64
+_WS = " \t\r\n"
+
+
+def new_call_id() -> str:
+    """A fresh tool call id, as OpenAI writes them: ``call_`` and 24 hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
+def finish_reason(reason: str, calls: int) -> str:
+    """The choice's finish_reason: "tool_calls" when it made calls and ended by itself
+    (end of generation: "stop"); a generation cut by max_tokens stays "length"."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class HermesParser:
+    """Calls written as Hermes and Qwen2.5 models write them, possibly several::
+
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+
+    A call begins once ``<tool_call>``, the name (one of ``names``) and ``"arguments": {``
+    have been read; its arguments are the JSON object that follows, to its closing brace
+    (strings and nesting followed; the pieces are passed on as they arrive, nothing held
+    back), then ``}`` and ``</tool_call>`` are expected and dropped. Text that cannot be
+    such a call's beginning (another key order, an unknown name, arguments that are no
+    object) is content, ``<tool_call>`` included. Text that may still be the start of
+    ``<tool_call>``, and whitespace that may precede one, is held back; the whitespace
+    right before a call, and whitespace that only follows one (to the next call or the
+    end), is dropped. With parallel false, calls after the first are dropped.
+    """
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    # The beginning of a call after OPEN: "ws" any whitespace, "NAME" a tool's name, else literal text.
+    HEAD = ("ws", "{", "ws", '"name"', "ws", ":", "ws", '"', "NAME", '"', "ws", ",", "ws", '"arguments"', "ws", ":",
+            "ws", "{")
+
+    def __init__(self, names: Collection[str], parallel: bool = True) -> None:
+        self.names = frozenset(names)
+        self.parallel = parallel
+        self.calls = 0  # calls returned so far
+        self._mode = "text"  # text | head | args | tail
+        self._buf = ""  # text read and not yet decided
+        self._ws = ""  # the whitespace before the OPEN being read (content again if no call follows)
+        self._after_call = False  # a call ended and no content followed yet
+        self._emit = True  # the call being read is returned (False: a second call with parallel false)
+        self._depth = 0
+        self._in_string = self._escape = False
+
+    def feed(self, text: str) -> list[tuple]:
+        """The parts that the text so far settles (see the module docstring)."""
+        self._buf += text
+        out: list[tuple] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def close(self) -> list[tuple]:
+        """The text has ended: the parts of everything held back."""
+        out: list[tuple] = []
+        while self._step(out, final=True):
+            pass
+        return out
+
+    def _step(self, out: list[tuple], final: bool) -> bool:
+        """Advance in the current mode; True when it made progress worth another step."""
+        return getattr(self, "_" + self._mode)(out, final)
+
+    def _content(self, out: list[tuple], text: str) -> None:
+        if text and not (self._after_call and not text.strip(_WS)):  # whitespace alone after a call: dropped
+            out.append(("content", text))
+            self._after_call = False
+
+    def _text(self, out: list[tuple], final: bool) -> bool:
+        buf = self._buf
+        i = buf.find(self.OPEN)
+        if i >= 0:
+            before = buf[:i].rstrip(_WS)
+            self._content(out, before)
+            self._ws, self._buf, self._mode = buf[len(before):i], buf[i + len(self.OPEN):], "head"
+            return True
+        if final:
+            self._content(out, buf)
+            self._buf = ""
+            return False
+        hold = next((k for k in range(min(len(buf), len(self.OPEN) - 1), 0, -1) if buf.endswith(self.OPEN[:k])), 0)
+        settled = buf[:len(buf) - hold].rstrip(_WS)
+        self._content(out, settled)
+        self._buf = buf[len(settled):]
+        return False
+
+    def _head(self, out: list[tuple], final: bool) -> bool:
+        state, name, end = self._match_head(self._buf)
+        if state == "partial" and not final:
+            return False
+        if state != "ok":  # no call: the OPEN and what follows are text
+            self._content(out, self._ws + self.OPEN)
+            self._ws, self._mode = "", "text"
+            return True
+        self._emit = self.parallel or self.calls == 0
+        if self._emit:
+            out.append(("call", self.calls, new_call_id(), name))
+            self.calls += 1
+        self._ws, self._buf, self._mode = "", self._buf[end:], "args"
+        self._depth, self._in_string, self._escape = 0, False, False
+        return True
+
+    def _match_head(self, s: str) -> tuple[str, str, int]:
+        """("ok", name, index of the arguments' "{"), ("partial", "", 0) when s may still
+        become a call's beginning, or ("fail", "", 0)."""
+        pos, name = 0, ""
+        for el in self.HEAD:
+            if el == "ws":
+                while pos < len(s) and s[pos] in _WS:
+                    pos += 1
+            elif el == "NAME":
+                start = pos
+                while pos < len(s) and s[pos] != '"':
+                    if s[pos] not in NAME_CHARS or pos - start >= MAX_NAME_LEN:
+                        return "fail", "", 0
+                    pos += 1
+                name = s[start:pos]
+                if pos == len(s):
+                    return ("partial", "", 0) if any(n.startswith(name) for n in self.names) else ("fail", "", 0)
+                if name not in self.names:
+                    return "fail", "", 0
+            else:
+                piece = s[pos:pos + len(el)]
+                if not el.startswith(piece):
+                    return "fail", "", 0
+                if len(piece) < len(el):
+                    return "partial", "", 0
+                pos += len(el)
+            if pos == len(s) and el == "ws":
+                return "partial", "", 0
+        return "ok", name, pos - 1
+
+    def _args(self, out: list[tuple], final: bool) -> bool:
+        buf, end = self._buf, None
+        for j, c in enumerate(buf):
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = j + 1
+                    break
+        piece = buf if end is None else buf[:end]
+        if piece and self._emit:
+            out.append(("arguments", self.calls - 1, piece))
+        self._buf = buf[len(piece):]
+        if end is None:
+            return False
+        self._mode = "tail"
+        return True
+
+    def _tail(self, out: list[tuple], final: bool) -> bool:
+        """After the arguments: whitespace, the call object's "}", whitespace and CLOSE are
+        dropped; anything else goes back to text."""
+        buf, k = self._buf, 0
+        while k < len(buf) and buf[k] in _WS:
+            k += 1
+        if buf[k:k + 1] == "}":
+            k += 1
+            while k < len(buf) and buf[k] in _WS:
+                k += 1
+        rest = buf[k:]
+        if rest.startswith(self.CLOSE):
+            rest = rest[len(self.CLOSE):]
+        elif self.CLOSE.startswith(rest) and not final:
+            return False
+        self._buf, self._mode, self._after_call = rest, "text", True
+        return True
+
+
+class ToolCallFormat:
+    """One way of writing tool calls (see the module docstring). marker: text whose presence
+    in a chat template says the template teaches this format."""
+
+    name = ""
+    marker = ""
+
+    def matches(self, template: str) -> bool:
+        return self.marker in template
+
+    def parser(self, names: Collection[str], parallel: bool) -> HermesParser:
+        """A fresh parser of one output that may call the named tools (only the first call
+        returned unless parallel)."""
+        raise NotImplementedError
+
+    def grammar(self, schemas: dict[str, dict], several: bool) -> Grammar:
+        """The grammar of output that is exactly one call (several: one or more) of one of
+        the tools ``schemas`` names, its arguments valid for that tool's parameters schema."""
+        raise NotImplementedError
+
+
+class HermesFormat(ToolCallFormat):
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``: Hermes, Qwen2 and
+    Qwen2.5 (whose templates present the tools in the system prompt and ask for this)."""
+
+    name = "hermes"
+    marker = HermesParser.OPEN
+
+    def parser(self, names: Collection[str], parallel: bool) -> HermesParser:
+        return HermesParser(names, parallel)
+
+    def grammar(self, schemas: dict[str, dict], several: bool) -> Grammar:
+        """Each call written exactly as the template asks (one per line when several), its
+        arguments valid for the tool's parameters schema (llguidance's ``%json``)."""
+        names = list(schemas)
+        lit = json.dumps  # a Lark string literal: JSON's escapes
+        head, tail = HermesParser.OPEN + '\n{"name": ', "}\n" + HermesParser.CLOSE
+        repeat = ' ("\\n" call)*' if several else ""
+        lark = "\n".join([f"start: call{repeat}", f"call: {lit(head)} fn {lit(tail)}",
+                          "fn: " + " | ".join(f"fn_{i}" for i in range(len(names))),
+                          *(f'fn_{i}: {lit(lit(name) + ", " + lit("arguments") + ": ")} '
+                            f'%json {json.dumps(schemas[name])}' for i, name in enumerate(names))])
+        return Grammar("lark", lark, name="tools")
+
+
+FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(),)
+
+
+def tool_call_format(template: str | None) -> ToolCallFormat | None:
+    """The format a chat template teaches (the first of FORMATS that matches it), None
+    for a template that teaches none known (or no template)."""
+    if not template:
+        return None
+    return next((f for f in FORMATS if f.matches(template)), None)
+
+
+def parse_message(text: str, parser: HermesParser) -> tuple[str | None, list[dict]]:
+    """A whole generated text as (content, tool_calls in OpenAI's shape): content is None
+    when the text is only calls."""
+    content, calls = [], []
+    for part in parser.feed(text) + parser.close():
+        if part[0] == "content":
+            content.append(part[1])
+        elif part[0] == "call":
+            calls.append({"id": part[2], "type": "function", "function": {"name": part[3], "arguments": ""}})
+        else:
+            calls[part[1]]["function"]["arguments"] += part[2]
+    text = "".join(content)
+    return (None if calls and not text else text), calls
