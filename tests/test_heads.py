@@ -446,3 +446,19 @@ def test_one_head_formula_on_both_backends_output_bias_included(tmp_path, models
     assert np.allclose(residual_heads(batch, weight, bias, w_out, b_out, np.einsum, lambda x: x / (1 + np.exp(-x))),
                        residual_heads(*map(torch.tensor, (batch, weight, bias, w_out, b_out)), torch.einsum,
                                       torch.nn.functional.silu).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_self_corpus_is_built_once_and_reused(tmp_path, monkeypatch):
+    """heads train's default corpus: the target's own answers, enough conversations for the
+    token budget, written once under the cache and then reused as it is."""
+    from specdecode.heads import corpus
+
+    monkeypatch.setattr(corpus, "SELF_MAX_TOKENS", 12)
+    out, report = corpus.self_corpus("smollm2-135m-instruct", 2400, seed=1, n_threads=1, progress=False, parallel=2,
+                                     root=tmp_path)
+    assert out.parent == tmp_path and out.name == "smollm2-135m-instruct-8-seed1"
+    assert sum(report["conversations"].values()) == 8 and report["answer_tokens"] > 0
+    text = "".join(p.read_text() for p in out.iterdir())
+    again, cached = corpus.self_corpus("smollm2-135m-instruct", 2400, seed=1, progress=False, root=tmp_path)
+    assert again == out and cached is None
+    assert "".join(p.read_text() for p in out.iterdir()) == text

@@ -141,3 +141,117 @@ def verify_keyed(draft_ids: Sequence[int], target_token: Callable[[int], int]) -
             return VerifyResult(num_accepted=i, next_token=tok, is_bonus=False)
     k = len(draft_ids)
     return VerifyResult(num_accepted=k, next_token=target_token(k), is_bonus=True)
+
+
+# --- token trees ------------------------------------------------------------------------
+# A tree of drafts is N nodes in topological order: tokens [N] and parents [N], parents[i]
+# the index of node i's parent (< i), or -1 for a child of the root, the last committed token.
+# The verifying forward has N + 1 rows: row 0 at the root, row i + 1 at node i (each row
+# predicts the token after the path that ends there). A chain is parents = [-1, 0, 1, ...].
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult:
+    """Outcome of verifying a tree of drafts.
+
+    path: the accepted nodes, root to deepest (a path of the tree; may be empty).
+    next_token: the target's own token after the path: recovered when the deepest accepted
+        node (or the root) has children, none accepted; else the bonus token.
+    is_bonus: next_token follows a leaf.
+    """
+
+    path: tuple[int, ...]
+    next_token: int
+    is_bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def tree_children(parents: Sequence[int]) -> list[list[int]]:
+    """[N + 1] lists: children of the root (index 0) and of each node i (index i + 1), in
+    node order. Raises ValueError unless every parent precedes its child."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        if not -1 <= int(p) < i:
+            raise ValueError(f"parents[{i}] = {p}: a parent must be -1 (the root) or an earlier node")
+        out[int(p) + 1].append(i)
+    return out
+
+
+def tree_path_tokens(tokens: Sequence[int], result: TreeVerifyResult) -> list[int]:
+    """The tokens a tree step commits: the accepted path's, then the target's own token."""
+    return [int(tokens[i]) for i in result.path] + [result.next_token]
+
+
+def _walk(tokens: Sequence[int], parents: Sequence[int], choose: Callable[[int, list[int]], tuple[int | None, int]]
+          ) -> TreeVerifyResult:
+    """Descend from the root: choose(row, children) gives the accepted child (or None) and
+    the target's token at that row when none is accepted (or the child's token)."""
+    children, path, row = tree_children(parents), [], 0
+    while True:
+        kids = children[row]
+        child, token = choose(row, kids)
+        if child is None:
+            return TreeVerifyResult(tuple(path), int(token), is_bonus=not kids)
+        path.append(child)
+        row = child + 1
+
+
+def verify_tree_greedy(tokens: Sequence[int], parents: Sequence[int], target_argmax: Sequence[int]) -> TreeVerifyResult:
+    """Greedy tree verification: the longest path whose every token is the target's argmax
+    after the path before it (SpecInfer, Miao et al. 2024, greedy case; Medusa's typical
+    acceptance at temperature 0). target_argmax: [N + 1], one per row. Sibling tokens need
+    not be distinct (the first equal one is taken). Raises ValueError on a bad shape."""
+    if len(target_argmax) != len(tokens) + 1 or len(parents) != len(tokens):
+        raise ValueError(f"a tree of {len(tokens)} nodes needs {len(tokens)} parents and {len(tokens) + 1} rows")
+
+    def choose(row: int, kids: list[int]) -> tuple[int | None, int]:
+        want = int(target_argmax[row])
+        return next((c for c in kids if int(tokens[c]) == want), None), want
+
+    return _walk(tokens, parents, choose)
+
+
+def verify_tree_keyed(tokens: Sequence[int], parents: Sequence[int], target_token: Callable[[int], int]
+                      ) -> TreeVerifyResult:
+    """Tree verification under the seeded Gumbel rule: at each row the target's token is a
+    function of its distribution and that position's noise (:func:`verify_keyed`), so a
+    sibling is accepted when it equals it, and the text is plain decoding's for the seed.
+    target_token(row): called lazily for the rows on the walked path only."""
+    def choose(row: int, kids: list[int]) -> tuple[int | None, int]:
+        want = int(target_token(row))
+        return next((c for c in kids if int(tokens[c]) == want), None), want
+
+    return _walk(tokens, parents, choose)
+
+
+def verify_tree_sampling(tokens: Sequence[int], parents: Sequence[int], target_probs: np.ndarray,
+                         rng: np.random.Generator) -> TreeVerifyResult:
+    """Multi-draft speculative sampling over a tree of deterministic drafts (SpecInfer's
+    recursive rejection sampling, Miao et al. 2024, Algorithm 2, with one-hot draft
+    distributions). At a node with target distribution p (row of target_probs [N + 1, V])
+    and children c_1..c_m (distinct tokens), child c_i is accepted with probability
+    r(c_i) / sum(r), where r is p with the rejected siblings' tokens removed; when all are
+    rejected the target's token is drawn from r. The token that follows the node is thus
+    distributed exactly as p, and the committed path as the target's autoregressive samples.
+    Raises ValueError on a bad shape or repeated sibling tokens."""
+    n = len(tokens)
+    if target_probs.ndim != 2 or target_probs.shape[0] != n + 1 or len(parents) != n:
+        raise ValueError(f"target_probs has shape {target_probs.shape}, expected ({n + 1}, V) for {n} nodes")
+
+    def choose(row: int, kids: list[int]) -> tuple[int | None, int]:
+        r = np.asarray(target_probs[row], dtype=np.float64).copy()
+        if len({int(tokens[c]) for c in kids}) != len(kids):
+            raise ValueError(f"the children of row {row} repeat a token: siblings must be distinct")
+        for c in kids:
+            x, total = int(tokens[c]), r.sum()
+            if total > 0.0 and rng.random() < r[x] / total:
+                return c, x
+            r[x] = 0.0
+        if not r.sum() > 0.0:  # every token of the support was drafted and rejected (round-off)
+            r = np.asarray(target_probs[row], dtype=np.float64)
+        return None, sample_token(r, rng)
+
+    return _walk(tokens, parents, choose)

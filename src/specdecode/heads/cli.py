@@ -34,8 +34,10 @@ def add_heads_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, default=d.heads, help="K, heads to train (default: %(default)s)")
     t.add_argument("--tokens", type=int, default=d.tokens,
                    help="corpus tokens to train and evaluate on: the time budget (default: %(default)s)")
-    t.add_argument("--corpus", default=None, metavar="PATH",
-                   help="a text file or a folder of text files (default: the Python standard library's source)")
+    t.add_argument("--corpus", default="self", metavar="PATH|self|stdlib",
+                   help="a text file or a folder of text files; 'self' (default): the target's own answers to built-in "
+                        "code tasks and instructions, generated first (about --tokens tokens, cached; Medusa-2's "
+                        "self-distillation); 'stdlib': the Python standard library's source")
     t.add_argument("--window", type=int, default=d.window, help="tokens per training window (default: %(default)s)")
     t.add_argument("--vocab-subset", type=int, default=d.vocab_subset,
                    help="the heads predict only the S most frequent label tokens (default: %(default)s)")
@@ -100,10 +102,13 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
     from .train import TrainConfig, check_config, corpus_files, train_heads
     from ..assembly.loading import load_backend
 
+    own = args.corpus == "self"
     cfg = TrainConfig(heads=args.heads, tokens=args.tokens, window=args.window, vocab_subset=args.vocab_subset,
-                      epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed, corpus=args.corpus)
+                      epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
+                      corpus=None if own else args.corpus)
     check_config(cfg)
-    corpus_files(cfg.corpus)  # a missing corpus fails before the target loads
+    if not own:
+        corpus_files(cfg.corpus)  # a missing corpus fails before the target loads
     out = Path(args.out)
     if out.exists() and out.is_dir():
         raise SpecDecodeError(f"--out {out} is a folder: give a file name", param="--out")
@@ -118,12 +123,20 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    built = None
+    if own:
+        from .corpus import self_corpus
+
+        corpus, built = self_corpus(args.target, cfg.tokens, cfg.seed, args.threads, progress=not args.quiet)
+        cfg.corpus = str(corpus)
     backend = load_backend(args.target, backend="torch", dtype=args.dtype, progress=not args.quiet)
     try:
         heads, report = train_heads(backend, cfg, progress=not args.quiet)
     finally:
         backend.close()
     heads.save(out)
+    if own:
+        report["self_corpus"] = built or f"reused {cfg.corpus}"
     print(json.dumps(report, indent=2))
     print(f"specdecode: wrote {out} ({heads.num_heads} heads for {args.target}); use --draft heads:{out} "
           f"(on the llama.cpp or the torch backend)", flush=True)

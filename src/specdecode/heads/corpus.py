@@ -239,3 +239,32 @@ def build_corpus(decoder, out: str | Path, prompts: Sequence[tuple[str, list[dic
         counts = write_corpus(out, answer_all(decoder, prompts, max_tokens, done, temperature, seed))
     return {"conversations": counts, "answer_tokens": tokens[0], "seconds": round(time.perf_counter() - t0, 1),
             "out": str(out)}
+
+
+# A self-distilled corpus (the default of ``heads train``) makes one conversation per this many
+# tokens of the training budget: a rendered prompt with its answer holds about as many.
+TOKENS_PER_CONVERSATION = 300
+SELF_MAX_TOKENS = 256  # longest answer, in tokens
+
+
+def self_corpus(target: str, tokens: int, seed: int = 0, n_threads: int | None = None, progress: bool = True,
+                parallel: int = 8, root: Path | None = None) -> tuple[Path, dict | None]:
+    """The target's own answers to :func:`make_prompts` conversations, enough for ``tokens``
+    training tokens: built once per target, budget and seed into ``root`` (default: the
+    model cache's ``corpus/``), then reused. Returns (the corpus folder, the build report or None when it
+    was cached). Raises SpecDecodeError as the Decoder does (the target cannot load)."""
+    import re
+
+    from ..api import Decoder
+    from ..assembly import registry
+
+    n = max(8, -(-tokens // TOKENS_PER_CONVERSATION))
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", str(target))[-60:]
+    out = (root or registry.cache_dir() / "corpus") / f"{name}-{n}-seed{seed}"
+    if out.is_dir() and any(out.iterdir()):
+        return out, None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prompts = make_prompts(n, seed)
+    with Decoder(target, draft="auto", n_threads=n_threads, parallel=parallel, progress=progress) as dec:
+        report = build_corpus(dec, out, prompts, SELF_MAX_TOKENS, seed=seed, progress=progress)
+    return out, report

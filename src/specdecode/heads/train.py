@@ -10,8 +10,9 @@ and the target's greedy choice is a cleaner signal than text the target would no
 written (Medusa, Cai et al. 2024, Sec. 2.3.2, self-distillation; here with hard labels,
 which need no V-sized teacher distributions in memory).
 
-Data: the corpus's files (a text file, or a folder's text files; default: the Python
-standard library's source, which exists offline and suits the coder models), split into
+Data: the corpus's files (a text file, or a folder's text files; ``stdlib``: the Python
+standard library's source; the command's default is the target's own answers,
+:func:`specdecode.heads.corpus.self_corpus`), split into
 windows of ``window`` tokens, shuffled with the seed; a held-out 10% of the windows
 measures each head's top-1 accuracy. Features: one pass of the frozen target over every
 window (final hidden states [T, H] kept in bfloat16, labels [T]), then epochs of Adam
@@ -36,6 +37,7 @@ from ..backends.base import residual_heads
 from ..drafters.heads import MAX_HEADS, DraftHeads, heads_meta
 from ..errors import SpecDecodeError
 
+STDLIB = "stdlib"  # the corpus name of the Python standard library's source
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".html")
 
 
@@ -74,7 +76,7 @@ def check_config(cfg: TrainConfig) -> None:
 def corpus_files(corpus: str | None) -> tuple[list[Path], str]:
     """The corpus's text files, sorted, and how to name the corpus. Raises SpecDecodeError
     when it does not exist or holds no text files."""
-    if corpus is None:
+    if corpus is None or corpus == STDLIB:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.glob("*.py"))
         where = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library ({root})"
