@@ -95,3 +95,45 @@ def test_tree_sampling_keeps_the_targets_distribution(rule):
         return
     assert p > 1e-3
     assert _chi2_pvalue(second, ROWS[1]) > 1e-3  # after node 0, the target's row for it
+
+
+# --- tree attention on the torch backend --------------------------------------------------
+
+from test_torch_backend import backend, models_, tokenizer  # noqa: E402, F401 (fixtures)
+
+TREE_TOKENS = [11, 12, 13, 14, 15, 16]
+TREE_PARENTS = [-1, -1, 0, 0, 1, 3]  # root -> 11 -> {13, 14 -> 16}; root -> 12 -> 15
+
+
+def _path_rows(parents, node):
+    rows = [node + 1]
+    while parents[rows[-1] - 1] != -1:
+        rows.append(parents[rows[-1] - 1] + 1)
+    return [0] + rows[::-1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_torch_tree_rows_equal_each_path_run_alone(models_, tokenizer, kind):  # noqa: F811
+    """Every row of a tree forward has the logits of its path run alone as a chain (float32,
+    tiny models); after keeping the root and one path, the cache continues as that chain's."""
+    b = backend(models_[kind], tokenizer, kind)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    b.forward(prompt[:-1], [])
+    block = [prompt[-1]] + TREE_TOKENS
+    tree = b.forward_tree(block, TREE_PARENTS)
+    assert tree.shape == (len(block), b.n_vocab) and b.seq_len(0) == len(prompt) - 1 + len(block)
+    base = len(prompt) - 1
+    for node in range(len(TREE_TOKENS)):
+        rows = _path_rows(TREE_PARENTS, node)
+        b2 = backend(models_[kind], tokenizer, kind)
+        alone = b2.forward(prompt[:-1] + [block[r] for r in rows], list(range(base, base + len(rows))))
+        np.testing.assert_allclose(tree[rows], alone, atol=1e-4, rtol=1e-4)
+    rows = _path_rows(TREE_PARENTS, 5)  # root, 11, 14, 16
+    b.keep_tree_rows(rows, len(block))
+    assert b.seq_len(0) == base + len(rows)
+    nxt = b.forward([7], [0])
+    b2 = backend(models_[kind], tokenizer, kind)
+    chain = b2.forward(prompt[:-1] + [block[r] for r in rows] + [7], [base + len(rows)])
+    np.testing.assert_allclose(nxt, chain, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        b.keep_tree_rows([2, 1], 3)

@@ -85,6 +85,7 @@ class Backend(Protocol):
     device: str  # where the weights live ("cpu", "cuda")
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
     supports_hidden_states: bool  # forward_batch_hidden() / make_heads() serve draft heads
+    supports_tree: bool  # forward_tree() / keep_tree_rows() verify a tree of drafts in one forward
     # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
     invariant_block: int | None
 
@@ -193,6 +194,7 @@ class BackendBase:
     device: str = "cpu"
     supports_greedy_draft = False
     supports_hidden_states = False
+    supports_tree = False
     invariant_block: int | None = None
     chat_template: str | None = None  # a backend whose model has one overrides this
     _n_vocab: int

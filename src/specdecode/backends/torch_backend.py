@@ -414,6 +414,20 @@ class TorchBackend(BackendBase):
                 drafted.append(nxt)
             return [int(t) for t in torch.stack(drafted).tolist()]
 
+    supports_tree = True
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0) -> np.ndarray:
+        """A tree block (:mod:`.torch_tree`): root and nodes [N] appended; logits [N, V] of every row."""
+        from .torch_tree import forward_tree
+        self._check_seq(seq)
+        return forward_tree(self, token_ids, parents)
+
+    def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
+        """Keep rows (ascending, root first) of the last tree block of n_rows; drop the others."""
+        from .torch_tree import keep_rows
+        self._check_seq(seq)
+        keep_rows(self, rows, n_rows)
+
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a
         negative count), and the stale slots are masked and later overwritten. seq: 0."""

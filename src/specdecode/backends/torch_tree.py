@@ -1,0 +1,78 @@
+"""Tree verification on the torch backend: a tree of candidates in one forward, with a tree
+attention mask and tree position ids, and the accepted path's KV compacted in place.
+
+The block is the root (the last committed token) and the tree's nodes, flattened in
+topological order: row 0 the root, row i + 1 node i (``verify.py`` names the layout).
+Row r attends to the whole cached prefix and to its ancestors and itself (SpecInfer, Miao
+et al. 2024, Sec. 4.2, tree attention; Medusa's tree mask); its position id is the cached
+length plus its depth, so each row sees exactly what a chain along its path would.
+The rows' keys and values land in the static cache in row order; :func:`keep_rows` then
+moves the kept rows (the root and the accepted path) to the front of the block and drops
+the rest, so that the cache holds exactly the committed tokens, as after a chain.
+
+Dimension letters: N = rows (1 + nodes), V = vocabulary, C = cached tokens before the block.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(depth [N], ancestor-or-self matrix [N, N] bool) of the rows of a tree whose nodes
+    have ``parents`` (-1: the root's child). Raises ValueError for a parent after its child."""
+    n = len(parents) + 1
+    parent_row = np.array([-1] + [int(p) + 1 for p in parents])
+    depth = np.zeros(n, dtype=np.int64)
+    anc = np.eye(n, dtype=bool)
+    for r in range(1, n):
+        p = parent_row[r]
+        if not 0 <= p < r:
+            raise ValueError(f"parents[{r - 1}] = {parents[r - 1]}: a parent must be -1 or an earlier node")
+        depth[r] = depth[p] + 1
+        anc[r] = anc[p]
+        anc[r, r] = True
+    return depth, anc
+
+
+def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+    """Append the block token_ids [N] (root, then the nodes) to the torch backend's cache and
+    return the logits [N, V] (float32) of every row under the tree mask."""
+    torch = backend._torch
+    depth, anc = tree_layout(parents)
+    n, start = len(token_ids), backend._kv_len
+    if len(parents) + 1 != n:
+        raise ValueError(f"a block of {n} tokens is a root and {n - 1} nodes, got {len(parents)} parents")
+    backend._check_forward([int(t) for t in token_ids], list(range(n)), 0)
+    dev = backend.device
+    dtype = next(backend.model.parameters()).dtype
+    allowed = torch.ones(n, start + n, dtype=torch.bool, device=dev)
+    allowed[:, start:] = torch.from_numpy(anc).to(dev)
+    mask = torch.zeros(1, 1, n, start + n, dtype=dtype, device=dev)
+    mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+    pos = torch.from_numpy(depth + start).to(dev)
+    with torch.inference_mode():
+        logits = backend.model(input_ids=torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=dev),
+                               position_ids=pos[None], cache_position=torch.arange(start, start + n, device=dev),
+                               attention_mask=mask, cache=backend._cache, use_cache=True).logits[0]
+    backend._kv_len += n
+    return logits.float().cpu().numpy()
+
+
+def keep_rows(backend, rows: Sequence[int], n_rows: int) -> None:
+    """After :func:`forward_tree` of n_rows rows: keep ``rows`` (ascending block indices, the
+    root first) at the front of the block, in that order, and drop the other rows' KV."""
+    torch = backend._torch
+    start = backend._kv_len - n_rows
+    if not 0 <= start or any(not 0 <= r < n_rows for r in rows) or list(rows) != sorted(set(rows)):
+        raise ValueError(f"rows {list(rows)} are not ascending rows of the last block of {n_rows}")
+    src = torch.tensor([start + r for r in rows], dtype=torch.long, device=backend.device)
+    dst = torch.arange(start, start + len(rows), device=backend.device)
+    with torch.inference_mode():
+        for layer in backend._cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+    backend.rollback(start + len(rows))
