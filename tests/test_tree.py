@@ -120,7 +120,7 @@ def test_torch_tree_rows_equal_each_path_run_alone(models_, tokenizer, kind):  #
     prompt = tokenizer("def add(a, b):")["input_ids"]
     b.forward(prompt[:-1], [])
     block = [prompt[-1]] + TREE_TOKENS
-    tree = b.forward_tree(block, TREE_PARENTS)
+    tree, _ = b.forward_tree(block, TREE_PARENTS)
     assert tree.shape == (len(block), b.n_vocab) and b.seq_len(0) == len(prompt) - 1 + len(block)
     base = len(prompt) - 1
     for node in range(len(TREE_TOKENS)):
@@ -137,3 +137,89 @@ def test_torch_tree_rows_equal_each_path_run_alone(models_, tokenizer, kind):  #
     np.testing.assert_allclose(nxt, chain, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError):
         b.keep_tree_rows([2, 1], 3)
+
+
+# --- the engine's tree step ---------------------------------------------------------------
+
+from specdecode.drafters import Draft, DrafterBase  # noqa: E402
+from specdecode.drafters.heads import medusa_tree  # noqa: E402
+from specdecode.engine import SpeculativeEngine  # noqa: E402
+
+
+class TreeOracle(DrafterBase):
+    """Trees around a known output: the root's first child is always wrong, the second
+    starts the known continuation (depth up to ``depth``), with a wrong sibling under it."""
+
+    name = "tree-oracle"
+
+    def __init__(self, prompt_len, output, depth=4, wrong=3):
+        self.prompt_len, self.output, self.depth, self.wrong = prompt_len, list(output), depth, wrong
+
+    def propose(self, context, k):
+        i = len(context) - self.prompt_len
+        truth = self.output[i:i + self.depth]
+        if not truth:
+            return Draft([])
+        bad = lambda t: (t + self.wrong) % 50 + 1  # noqa: E731
+        tokens, parents = [bad(truth[0]), truth[0]], [-1, -1]
+        for t in truth[1:]:
+            tokens += [bad(t), t]
+            parents += [len(tokens) - 3, len(tokens) - 3]  # both children of the last true node
+        return Draft(tokens[:k], None, parents[:k])
+
+
+def _tiny(models_, tokenizer, kind="llama"):  # noqa: F811
+    return backend(models_[kind], tokenizer, kind)
+
+
+@pytest.mark.parametrize("max_tokens", [5, 23, 40])
+def test_greedy_with_trees_equals_plain_decoding(models_, tokenizer, max_tokens):  # noqa: F811
+    b = _tiny(models_, tokenizer)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=max_tokens, plain=True)
+    eng = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12)
+    res = eng.generate(prompt, max_tokens=max_tokens)
+    assert res.token_ids == plain.token_ids and res.finish_reason == plain.finish_reason
+    st = res.stats
+    assert st.tree_steps > 0 and st.accepted_per_rank[1] > 0  # the second sibling was the right one
+    assert st.target_forward_passes < len(plain.token_ids)
+    assert b.seq_len(0) <= len(prompt) + len(res.token_ids)  # nothing of the other branches stays cached
+    assert st.drafted > st.accepted  # every verified node counts as drafted
+
+
+def test_a_stop_string_inside_the_accepted_path(models_, tokenizer):  # noqa: F811
+    b = _tiny(models_, tokenizer)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=30, plain=True)
+    text = plain.text
+    j = next(j for j in range(len(text) // 3, len(text) - 1) if text[j:j + 2].isascii() and text[j:j + 2].isalnum())
+    stop = text[j:j + 2]  # whole characters of the output, past its first third
+    want = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=30, plain=True, stop=[stop])
+    assert want.finish_reason == "stop"
+    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids, depth=8), 16).generate(
+        prompt, max_tokens=30, stop=[stop])
+    assert res.text == want.text and res.finish_reason == "stop" and res.stats.tree_steps > 0
+
+
+def test_seeded_sampling_with_trees_is_plain_decodings_text(models_, tokenizer):  # noqa: F811
+    b = _tiny(models_, tokenizer)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    kw = dict(max_tokens=30, temperature=1.0, seed=5, sampling_rule="gumbel", batch_invariant="off")
+    plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, plain=True, **kw)
+    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12).generate(prompt, **kw)
+    assert res.token_ids == plain.token_ids and res.stats.tree_steps > 0
+
+
+def test_trees_fall_back_to_their_first_path_where_they_cannot_be_verified():
+    d = Draft([5, 6, 7, 8], None, [-1, -1, 0, 2])
+    assert d.chain().token_ids == [5, 7, 8]
+    assert Draft([1, 2]).chain().token_ids == [1, 2]
+
+
+def test_medusa_tree_expands_the_likeliest_paths_first():
+    logits = np.log(np.array([[0.6, 0.3, 0.1, 1e-9], [0.1, 0.8, 0.1, 1e-9], [0.5, 0.2, 0.3, 1e-9]]))
+    d = medusa_tree(logits, width=2, budget=5)
+    # Paths by probability: 0 (.6), 0>1 (.48), 1 (.3), then 1>1 and 0>1>0 (.24 each; the shallower first)
+    assert d.token_ids == [0, 1, 1, 1, 0] and d.parents == [-1, 0, -1, 2, 1]
+    d = medusa_tree(logits, width=2, budget=3, eog_ids={0})  # an end-of-generation node gets no children
+    assert d.token_ids == [0, 1, 1] and d.parents == [-1, -1, 1]

@@ -41,10 +41,11 @@ from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
 from .limits import check_num_speculative_tokens
-from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob, top2_gap
+from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob, drive, top2_gap
 from .request import GenerationOptions
 from .sampling import Sampler
-from .verify import VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling
+from .verify import (VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling,
+                     verify_tree)
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
 
@@ -229,10 +230,12 @@ class SpeculativeEngine:
         blocks = []
         for gen, cap in zip(gens, caps):
             t0 = time.perf_counter()
-            draft_ids, draft_probs = self._draft(gen, cap)
+            draft_ids, draft_probs, parents = self._draft(gen, cap, tree_ok=len(gens) == 1)
             gen.out.stats.draft_s += time.perf_counter() - t0
             blocks.append((draft_ids, draft_probs))
         t1 = time.perf_counter()
+        if parents is not None:  # one generation's tree of drafts
+            return [self._tree_step(gens[0], blocks[0][0], parents, t1)]
         items = [SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
                  for gen, (ids, _) in zip(gens, blocks)]
         logits, hidden, sample = self._forward(gens, items)
@@ -298,14 +301,44 @@ class SpeculativeEngine:
             self.target.invariant_block = max(1, int(self._invariance(self.target, slot.seq)))
         return self.target.invariant_block
 
-    def _draft(self, gen: Generation, k: int) -> tuple[list[int], np.ndarray | None]:
-        """Up to k drafted ids (cut where the grammar rejects one) and their probs [k, V]."""
+    def _draft(self, gen: Generation, k: int, tree_ok: bool = False) -> tuple[list[int], np.ndarray | None, list | None]:
+        """Up to k drafted ids (cut where the grammar rejects one), their probs [k, V], and a
+        tree's parents (None for a chain). A tree is verified as one only alone in the step,
+        on a backend that verifies trees, without a grammar, penalties or batch invariance
+        (each path would need its own history); else its first path is the chain."""
         draft = gen.drafter.propose(gen.committed, k) if k > 0 else Draft([])
+        if draft.parents is not None:
+            p = gen.sampler.params
+            if (tree_ok and self.target.supports_tree and gen.sampler.constraint is None and not p.has_penalties
+                    and not gen.invariant and len(draft.token_ids) <= k and len(draft.token_ids) > 0):
+                return list(draft.token_ids), None, list(draft.parents)
+            draft = draft.chain()
         draft_ids = draft.token_ids[:k]
         if gen.sampler.constraint is not None:  # a token the grammar rejects could never be accepted
             draft_ids = draft_ids[: gen.sampler.constraint.valid_prefix(draft_ids)]
         k = len(draft_ids)
-        return draft_ids, draft.probs[:k] if draft.probs is not None else None  # [k, V] or one-hot
+        return draft_ids, draft.probs[:k] if draft.probs is not None else None, None  # [k, V] or one-hot
+
+    def _tree_step(self, gen: Generation, ids: list[int], parents: list[int], t1: float) -> TextDelta:
+        """Verify one generation's tree of drafts [N] in one forward (tree attention), keep the
+        root and the accepted path in the cache, and commit the path and the target's token."""
+        seq, block, base = gen.slot.seq, [gen.committed[-1]] + ids, len(gen.committed)
+        reads_hidden = isinstance(gen.drafter, HiddenStateDrafter)
+        logits, hidden = self.target.forward_tree(block, parents, seq=seq, hidden=reads_hidden)
+        r = verify_tree(ids, parents, logits, gen.sampler, base)
+        rows = [0] + [i + 1 for i in r.path]
+        self.target.keep_tree_rows(rows, len(block), seq=seq)
+        if reads_hidden:
+            gen.drafter.observe_hidden([base - 1 + j for j in range(len(rows))], hidden[rows])
+        t2 = time.perf_counter()
+        observe_verification(gen.drafter, len(block), t2 - t1, True)
+        gen.out.stats.verify_s += t2 - t1
+        gaps = None if gen.out.gaps is None else [top2_gap(gen.sampler.scores(logits[row], (), base + j))
+                                                  for j, row in enumerate(rows)]
+        path = [ids[i] for i in r.path]
+        delta = self._commit(gen, path, VerifyResult(len(path), r.next_token, r.is_bonus), gaps, logits[rows])
+        gen.out.stats.record_tree(parents, r.path)
+        return delta
 
     def _commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, gaps: list[float] | None,
                 logits: np.ndarray) -> TextDelta:
@@ -411,20 +444,3 @@ class SpeculativeEngine:
         assert result is not None
         return result
 
-
-def drive(gen: Generation, step: Callable[[list[Generation]], list[TextDelta]],
-          end: Callable[[Generation], list]) -> Iterator[TextDelta | GenerationResult]:
-    """Step one generation to its end: yield its non-empty deltas, then what ``end`` returns
-    (the last delta and the GenerationResult). A consumer that stops early (a closed
-    stream) still ends it, so that its slot is freed."""
-    ended = False
-    try:
-        while not gen.done:
-            delta = step([gen])[0]
-            if delta or delta.token_ids:
-                yield delta
-        ended = True
-        yield from end(gen)
-    finally:
-        if not ended:
-            end(gen)

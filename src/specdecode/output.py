@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
 from .stats import Stats
 from .textstream import TextAssembler
+
+if TYPE_CHECKING:
+    from .engine import Generation
 
 
 @dataclass
@@ -270,3 +273,21 @@ class OutputAccumulator:
 
         return TokenLogprob(token_id=int(tok), token=piece(tok), logprob=float(lps[tok]),
                             top_logprobs=[(int(t), piece(t), float(lps[t])) for t in top])
+
+
+def drive(gen: "Generation", step: Callable[[list["Generation"]], list[TextDelta]],
+          end: Callable[["Generation"], list]) -> Iterator[TextDelta | GenerationResult]:
+    """Step one generation to its end: yield its non-empty deltas, then what ``end`` returns
+    (the last delta and the GenerationResult). A consumer that stops early (a closed
+    stream) still ends it, so that its slot is freed."""
+    ended = False
+    try:
+        while not gen.done:
+            delta = step([gen])[0]
+            if delta or delta.token_ids:
+                yield delta
+        ended = True
+        yield from end(gen)
+    finally:
+        if not ended:
+            end(gen)

@@ -53,6 +53,8 @@ class Stats:
     invariant_block: int = 0
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    tree_steps: int = 0
+    accepted_per_rank: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -87,6 +89,24 @@ class Stats:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def record_tree(self, parents: list[int], path: tuple[int, ...]) -> None:
+        """After :meth:`record_step` of a tree step's accepted path: count the tree's other
+        nodes as drafted (verified), the rejection at the depth where the path stopped, and
+        the sibling rank (0: its parent's first child) of each accepted node."""
+        self.tree_steps += 1
+        self.drafted += len(parents) - len(path)
+        at = path[-1] if path else -1
+        depth = len(path)
+        if any(p == at for p in parents):  # the path stopped at a node with children
+            if depth >= len(self.drafted_per_position):
+                self.drafted_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.drafted_per_position[depth] += 1
+        for node in path:
+            rank = sum(1 for i in range(node) if parents[i] == parents[node])
+            self.accepted_per_rank += [0] * (rank + 1 - len(self.accepted_per_rank))
+            self.accepted_per_rank[rank] += 1
+
     def retract_accepted(self, positions: Iterable[int]) -> None:
         """Uncount accepted drafts (at the given draft positions) that a stop string cut off."""
         for i in positions:
@@ -113,6 +133,8 @@ class Stats:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "controller_note": self.controller_note,
             "invariant_block": self.invariant_block,
+            "tree_steps": self.tree_steps,
+            "accepted_per_rank": list(self.accepted_per_rank),
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
         }

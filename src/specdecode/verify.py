@@ -255,3 +255,21 @@ def verify_tree_sampling(tokens: Sequence[int], parents: Sequence[int], target_p
         return None, sample_token(r, rng)
 
     return _walk(tokens, parents, choose)
+
+
+def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, sampler, base: int
+                ) -> TreeVerifyResult:
+    """The rule the sampler asks for over a tree block's logits [N + 1, V] (row 0 the root):
+    greedy (the longest path of argmaxes), the seeded Gumbel rule (the noise of position base
+    + the row's depth), or multi-draft speculative sampling. For generations without a
+    grammar or penalties (each path would need its own history): the caller checks."""
+    if sampler.params.greedy:
+        return verify_tree_greedy(tokens, parents, [sampler.argmax(logits[r], ()) for r in range(len(logits))])
+    depth = [0]
+    for p in parents:
+        depth.append(depth[int(p) + 1] + 1)
+    if sampler.keyed:
+        return verify_tree_keyed(tokens, parents,
+                                 lambda r: sampler.draw(sampler.probs(logits[r], ()), base + depth[r]))
+    probs = np.stack([sampler.probs(logits[r], ()) for r in range(len(logits))])
+    return verify_tree_sampling(tokens, parents, probs, sampler.rng)

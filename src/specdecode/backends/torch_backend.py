@@ -416,11 +416,14 @@ class TorchBackend(BackendBase):
 
     supports_tree = True
 
-    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0) -> np.ndarray:
-        """A tree block (:mod:`.torch_tree`): root and nodes [N] appended; logits [N, V] of every row."""
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
+        """A tree block (:mod:`.torch_tree`): root and nodes [N] appended; (logits [N, V] of
+        every row, their hidden states [N, H] with hidden, else None)."""
         from .torch_tree import forward_tree
         self._check_seq(seq)
-        return forward_tree(self, token_ids, parents)
+        if self._subset is not None:
+            raise SpecDecodeError(f"{self.name}: tree verification needs the whole vocabulary (no output subset)")
+        return forward_tree(self, token_ids, parents, hidden)
 
     def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
         """Keep rows (ascending, root first) of the last tree block of n_rows; drop the others."""

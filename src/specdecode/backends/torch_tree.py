@@ -37,9 +37,10 @@ def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return depth, anc
 
 
-def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int], hidden: bool = False):
     """Append the block token_ids [N] (root, then the nodes) to the torch backend's cache and
-    return the logits [N, V] (float32) of every row under the tree mask."""
+    return the logits [N, V] (float32, host) of every row under the tree mask, and with
+    hidden the final hidden states [N, H] (a device tensor; else None)."""
     torch = backend._torch
     depth, anc = tree_layout(parents)
     n, start = len(token_ids), backend._kv_len
@@ -53,12 +54,17 @@ def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int]) -> n
     mask = torch.zeros(1, 1, n, start + n, dtype=dtype, device=dev)
     mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
     pos = torch.from_numpy(depth + start).to(dev)
+    kwargs = dict(input_ids=torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=dev),
+                  position_ids=pos[None], cache_position=torch.arange(start, start + n, device=dev),
+                  attention_mask=mask, cache=backend._cache, use_cache=True)
     with torch.inference_mode():
-        logits = backend.model(input_ids=torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=dev),
-                               position_ids=pos[None], cache_position=torch.arange(start, start + n, device=dev),
-                               attention_mask=mask, cache=backend._cache, use_cache=True).logits[0]
+        if hidden:  # as the model's own forward: the decoder, then the output projection
+            h = backend.model.get_decoder()(**kwargs).last_hidden_state[0]
+            logits = backend.model.get_output_embeddings()(h)
+        else:
+            h, logits = None, backend.model(**kwargs).logits[0]
     backend._kv_len += n
-    return logits.float().cpu().numpy()
+    return logits.float().cpu().numpy(), h
 
 
 def keep_rows(backend, rows: Sequence[int], n_rows: int) -> None:

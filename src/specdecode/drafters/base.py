@@ -58,10 +58,26 @@ class Match(NamedTuple):
 @dataclass
 class Draft:
     """token_ids: [K] drafted ids. probs: [K, V] the distribution each was drawn from, or
-    None when each was chosen deterministically (greedy drafts, n-gram lookup): one-hot."""
+    None when each was chosen deterministically (greedy drafts, n-gram lookup): one-hot.
+    parents: None for a chain; for a tree of candidates, [K] each node's parent (-1: a child
+    of the last committed token; else an earlier node, :mod:`specdecode.verify`), with
+    deterministic drafts only (probs None) and distinct siblings."""
 
     token_ids: list[int]
     probs: np.ndarray | None = None
+    parents: list[int] | None = None
+
+    def chain(self) -> "Draft":
+        """The tree's first path (each node's first child, from the root), as a chain; a
+        chain is itself."""
+        if self.parents is None:
+            return self
+        ids, at = [], -1
+        for i, p in enumerate(self.parents):
+            if p == at:
+                ids.append(self.token_ids[i])
+                at = i
+        return Draft(ids)
 
 
 class Drafter(Protocol):

@@ -219,14 +219,20 @@ class HeadsDrafter(HiddenStateDrafter):
         except ValueError:
             return None
 
+    tree_width = 1  # > 1: greedy drafts are a tree of each head's top candidates (Medusa's tree)
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sampler = self._sampler
         assert sampler is not None, "start() must be called before propose()"
+        budget = k
         k = min(k, self.num_heads)
         h = self._row(len(context) - 2) if k > 0 and len(context) >= 2 else None
         if h is None:
             return Draft([])
         logits = self._impl(h, k)  # [k, V] float32, -inf outside the subset
+        if self.tree_width > 1 and sampler.params.greedy and not sampler.params.has_penalties \
+                and sampler.constraint is None:
+            return medusa_tree(logits, self.tree_width, budget, self.target.eog_ids)
         history = list(context) if sampler.params.has_penalties else []
         drafts: list[int] = []
         rows: list[np.ndarray] = []
@@ -252,6 +258,36 @@ class HeadsDrafter(HiddenStateDrafter):
         twin = copy.copy(self)
         twin.seq, twin._sampler, twin._positions, twin._hidden = seq, None, [], None
         return twin
+
+
+def medusa_tree(logits: np.ndarray, width: int, budget: int, eog_ids=frozenset()) -> Draft:
+    """A tree of the heads' candidates (Medusa, Cai et al. 2024, Sec. 2.1.2 tree attention;
+    nodes chosen by EAGLE-2's rule, the likeliest paths first): logits [K, V] of K heads, the
+    top ``width`` tokens of head d as the children of every depth-(d-1) node, expanded in
+    order of their path's probability (the product of the heads' softmax probabilities)
+    up to ``budget`` nodes. Returns a Draft with parents (nodes in topological order; an
+    end-of-generation token gets no children)."""
+    import heapq
+
+    z = logits - logits.max(axis=1, keepdims=True)
+    probs = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    top = [np.argsort(-probs[d])[:width] for d in range(len(probs))]
+    heap = [(-float(probs[0, t]), 0, j, -1) for j, t in enumerate(top[0])]  # (-path prob, depth, rank, parent)
+    heapq.heapify(heap)
+    tokens: list[int] = []
+    parents: list[int] = []
+    while heap and len(tokens) < budget:
+        neg, depth, rank, parent = heapq.heappop(heap)
+        tok = int(top[depth][rank])
+        if not np.isfinite(neg) or neg == 0.0:
+            continue
+        tokens.append(tok)
+        parents.append(parent)
+        if depth + 1 < len(top) and tok not in eog_ids:
+            node = len(tokens) - 1
+            for j, t in enumerate(top[depth + 1]):
+                heapq.heappush(heap, (neg * float(probs[depth + 1, t]), depth + 1, j, node))
+    return Draft(tokens, None, parents)
 
 
 def load_heads_drafter(path: str | Path, target: "Backend") -> HeadsDrafter:
