@@ -9,7 +9,7 @@ import pytest
 
 from specdecode.bench.oracle import OracleStep, lookup_drafters, oracle_replay, oracle_speedup
 from specdecode.control.costmodel import CostCurve
-from specdecode.drafters import Draft, DrafterBase, NgramDrafter, SuffixDrafter
+from specdecode.drafters import Draft, DrafterBase, NgramDrafter, PredictionDrafter, SuffixDrafter
 from specdecode.limits import MAX_NUM_SPECULATIVE_TOKENS
 
 # T(n) = 0.8 + 0.2 n seconds: T(1) = 1.0, T(2) = 1.2, T(3) = 1.4, T(4) = 1.6, T(5) = 1.8.
@@ -120,7 +120,7 @@ def test_lookup_drafters_per_configuration():
     assert [type(d) for d in lookup_drafters("ngram")] == [NgramDrafter]
     assert lookup_drafters("none") == []
     auto = lookup_drafters("auto")
-    assert [type(d) for d in auto] == [NgramDrafter, SuffixDrafter]
+    assert [type(d) for d in auto] == [NgramDrafter, SuffixDrafter, PredictionDrafter]
     assert [type(d) for d in lookup_drafters("suffix")] == [SuffixDrafter]
     assert lookup_drafters("qwen2.5-coder-0.5b-instruct") is None  # a draft model: no oracle
     assert lookup_drafters("ngram")[0] is not lookup_drafters("ngram")[0]  # fresh state each time

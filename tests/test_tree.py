@@ -223,3 +223,48 @@ def test_medusa_tree_expands_the_likeliest_paths_first():
     assert d.token_ids == [0, 1, 1, 1, 0] and d.parents == [-1, 0, -1, 2, 1]
     d = medusa_tree(logits, width=2, budget=3, eog_ids={0})  # an end-of-generation node gets no children
     assert d.token_ids == [0, 1, 1] and d.parents == [-1, -1, 1]
+
+
+# --- trees on llama.cpp (sequence ids) ---------------------------------------------------
+
+def test_llama_tree_rows_match_each_path_and_keep_one(smollm):
+    """Each row of a tree decoded through branch sequence ids has its path's logits run
+    alone (within batched numerics, and the same argmax); keeping a path leaves the cache
+    as that chain's, and the branch sequences empty."""
+    from specdecode.backends.llama_tree import TREE_BRANCHES
+
+    prompt = smollm.tokenize("def add(a, b):\n    return", add_special=True)
+    smollm.rollback(0)
+    smollm.forward(prompt[:-1], [])
+    base = len(prompt) - 1
+    block = [prompt[-1]] + [smollm.tokenize(w, add_special=False)[0] for w in (" a", " b", " +", " -", " b", " (")]
+    tree, _ = smollm.forward_tree(block, TREE_PARENTS)
+    for node in range(len(TREE_PARENTS)):
+        rows = _path_rows(TREE_PARENTS, node)
+        smollm.rollback(base)
+        alone = smollm.forward([block[r] for r in rows], list(range(len(rows))))
+        np.testing.assert_allclose(tree[rows], alone, atol=1.0)
+        assert (tree[rows].argmax(axis=1) == alone.argmax(axis=1)).all()
+    smollm.rollback(base)
+    smollm.forward_tree(block, TREE_PARENTS)
+    rows = _path_rows(TREE_PARENTS, 5)
+    smollm.keep_tree_rows(rows, len(block))
+    assert smollm.seq_len(0) == base + len(rows)
+    after = smollm.forward([block[1]], [0])
+    smollm.rollback(base)
+    chain = smollm.forward([block[r] for r in rows] + [block[1]], [len(rows)])
+    np.testing.assert_allclose(after, chain, atol=1.0)
+    assert after.argmax() == chain.argmax()
+    for j in range(TREE_BRANCHES):  # nothing left in the branch sequences
+        assert smollm._lib.llama_memory_seq_pos_max(smollm._mem, smollm.n_seq + j) == -1
+    smollm.rollback(0)
+
+
+def test_greedy_with_trees_on_llama_cpp_equals_plain(smollm):
+    prompt = smollm.tokenize("def fibonacci(n):", add_special=True)
+    plain = SpeculativeEngine(smollm, TreeOracle(0, []), 0).generate(prompt, max_tokens=40, plain=True,
+                                                                      record_top2_gaps=True)
+    res = SpeculativeEngine(smollm, TreeOracle(len(prompt), plain.token_ids), 12).generate(prompt, max_tokens=40)
+    from specdecode.parity import parity_report
+    assert parity_report(res, plain)["status"] in ("exact", "near-tie")
+    assert res.stats.tree_steps > 0 and res.stats.accepted_per_rank[1] > 0

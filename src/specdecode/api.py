@@ -22,8 +22,8 @@ from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine, drive
 from .errors import SpecDecodeError
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, check_text, \
-    check_parallel
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, MAX_TREE_WIDTH, check_num_speculative_tokens, \
+    check_text, check_parallel
 from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
 from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
@@ -78,6 +78,7 @@ class Decoder:
         device: str = DEFAULT_DEVICE,
         draft_vocab: int = 0,
         parallel: int = 1,
+        tree_width: int = 1,
     ) -> None:
         self.target_name = target
         self.draft_name = draft
@@ -87,6 +88,7 @@ class Decoder:
                                   param="draft_vocab")
         parallel = check_parallel(parallel)
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
+        set_tree_width(None, tree_width)  # checked before anything loads
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                    device=device, progress=progress, n_seq=parallel)
         try:
@@ -100,6 +102,7 @@ class Decoder:
                 self.drafter = make_controller(draft, self.target, kmax=k, **opts) if k else NoDrafter()
             else:
                 self.drafter = make_drafter(draft, self.target, **opts)
+            set_tree_width(self.drafter, tree_width)
             self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance)
         except BaseException:
             self.target.close()
@@ -318,6 +321,17 @@ class Decoder:
             # so the logit bound of batched numerics scales by 1 / temperature.
             report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
         return spec, base, report
+
+
+def set_tree_width(drafter, width: object) -> None:
+    """Let draft heads draft trees of their top ``width`` candidates per head (1: chains).
+    Raises SpecDecodeError for a width outside 1..MAX_TREE_WIDTH."""
+    if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_TREE_WIDTH:
+        raise SpecDecodeError(f"tree_width = {width!r} is out of range: expected 1..{MAX_TREE_WIDTH}",
+                              param="tree_width")
+    for d in [drafter] + [s.drafter for s in getattr(drafter, "sources", ())]:
+        if hasattr(d, "tree_width"):
+            d.tree_width = width
 
 
 def _speedup(spec: list[GenerationResult], plain: list[GenerationResult]) -> float | None:

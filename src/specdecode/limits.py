@@ -12,6 +12,7 @@ from .errors import SpecDecodeError
 # the same role). Every K in the engine, the CLI, the server and the bench is checked
 # against this one value.
 MAX_NUM_SPECULATIVE_TOKENS = 32
+MAX_TREE_WIDTH = 8  # candidates per draft head in a tree of drafts (--tree-width)
 # The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step.
 AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
 # Where the target's verification cost T(n) is measured (tokens per forward), up to

@@ -77,6 +77,10 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                    help="a draft model on the torch backend (--draft-backend torch) scores only token ids "
                         "< N, the prompt's tokens and end-of-generation ids (FR-Spec; cheaper drafts, same "
                         "output; default: 0 = all)")
+    if draft:
+        p.add_argument("--tree-width", type=int, default=1, metavar="W",
+                       help="draft heads (--draft heads:FILE with a fixed -k) draft a tree of each head's top W "
+                            "candidates, verified in one forward on the torch backend (default: 1, a chain)")
     p.add_argument("--ctx-size", type=int, default=DEFAULT_N_CTX, help="context window in tokens (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
@@ -133,7 +137,7 @@ def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
     return dict(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
                 n_ctx=args.ctx_size, n_threads=args.threads, progress=progress, backend=args.backend,
                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab,
-                parallel=vars(args).get("parallel", 1))
+                parallel=vars(args).get("parallel", 1), tree_width=vars(args).get("tree_width", 1))
 
 
 def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":

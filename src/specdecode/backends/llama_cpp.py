@@ -1,9 +1,7 @@
-"""llama.cpp backend (GGUF files) over llama-cpp-python's low-level C API.
-
-Why the low-level API: the high-level ``Llama`` class keeps an n_batch x vocabulary (or
-n_ctx x vocabulary) score buffer and evaluates in its own way; here one ``llama_decode``
-evaluates [last committed token + K drafts] and marks only the positions whose logits
-the acceptance rule needs, and ``llama_memory_seq_rm`` rolls back rejected positions.
+"""llama.cpp backend (GGUF files) over llama-cpp-python's low-level C API: one ``llama_decode``
+evaluates [last committed token + K drafts] and marks only the positions whose logits the
+acceptance rule needs (the high-level ``Llama`` keeps an n_batch x vocabulary score buffer),
+and ``llama_memory_seq_rm`` rolls back rejected positions.
 
 Dimension letters: N = tokens in one forward, M = requested logit rows, V = vocabulary.
 """
@@ -21,6 +19,7 @@ import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MIN_N_CTX, check_text
+from . import llama_tree
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
@@ -139,19 +138,17 @@ class LlamaCppBackend(BackendBase):
     split. n_seq: sequences (llama.cpp sequence ids 0..n_seq-1) for concurrent
     generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
 
-    The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``):
-    a batch whose sequences bring different numbers of tokens stays one ubatch (a
-    per-sequence cache would split it into equal shares per sequence).
-
-    Hidden states (draft heads): :meth:`forward_batch_hidden` also turns on llama.cpp's
-    embeddings output (pooling none) for the llama_decode calls that need it: the final
-    hidden state of every logit row, from the same llama_decode.
+    The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a
+    batch whose sequences bring different numbers of tokens stays one ubatch. Hidden states
+    (draft heads): llama.cpp's embeddings output, turned on for the calls that need it.
+    Trees of drafts (:mod:`.llama_tree`) use TREE_BRANCHES further sequence ids.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
     """
 
     supports_hidden_states = True
+    supports_tree = True
 
     def __init__(
         self,
@@ -202,7 +199,7 @@ class LlamaCppBackend(BackendBase):
         cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = self._n_batch
         cparams.n_ubatch = self._n_batch
-        cparams.n_seq_max = n_seq
+        cparams.n_seq_max = n_seq + llama_tree.TREE_BRANCHES
         cparams.kv_unified = True
         # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
         cparams.n_outputs_max = self._rows_max
@@ -217,7 +214,7 @@ class LlamaCppBackend(BackendBase):
         self._mem = llama_cpp.llama_get_memory(ctx)
         # llama.cpp rounds the context up (to a multiple of 256): the limit is the one asked for.
         self._n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(ctx)) // n_seq)
-        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, n_seq + llama_tree.TREE_BRANCHES)
         self._seq_lens = [0] * n_seq
         self.n_threads = n_threads
 
@@ -406,6 +403,15 @@ class LlamaCppBackend(BackendBase):
             return logits
 
         return run
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
+        """A tree block on sequence seq (:mod:`.llama_tree`): (logits [N, V], hidden [N, H] or None)."""
+        self._require_open()
+        return llama_tree.forward_tree(self, token_ids, parents, seq, hidden)
+
+    def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
+        """The root and the accepted path of the last tree block into seq; the branches cleared."""
+        llama_tree.keep_rows(self, rows, n_rows, seq)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant forwards (see the contract): one-token forwards on one thread (with

@@ -375,6 +375,8 @@ class SpeculationController(PlannedDrafter):
         for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
             t0 = time.perf_counter()
             draft = s.drafter.propose(context, kk)
+            if draft.parents is not None:  # trees are not yet planned by cost: their first path
+                draft = draft.chain()
             if draft.token_ids:
                 # The measured one-token forward underestimates what drafting really costs
                 # (catching up on accepted tokens, sampling, Python): follow the observed cost.
