@@ -225,7 +225,7 @@ def test_loading_builds_suffix_drafters(monkeypatch):
     monkeypatch.setattr(loading, "cached_measurement", lambda *a, **k: Measurement(FLAT))
     monkeypatch.setattr(loading, "default_draft_serves", lambda target: False)
     assert loading.make_controller("suffix", target=None).drafter_names == ["suffix"]
-    assert loading.make_controller("auto", target=None).drafter_names == ["ngram", "suffix"]
+    assert loading.make_controller("auto", target=None).drafter_names == ["ngram", "suffix", "prediction"]
     assert loading.make_controller("ngram", target=None).drafter_names == ["ngram"]
 
 

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
 from .stats import Stats
 from .textstream import TextAssembler
-
-if TYPE_CHECKING:
-    from .engine import Generation
 
 
 @dataclass

@@ -88,7 +88,7 @@ def completion_details(results: list) -> dict | None:
     """usage.completion_tokens_details of a request with a prediction: accepted_prediction_tokens
     (drafted from the prediction and accepted by the target) and rejected_prediction_tokens
     (drafted from it, verified and discarded), summed over the choices; None without one."""
-    stats = [r.stats for r in results if r.stats.accepted_prediction_tokens is not None]
+    stats = [r.stats for r in results if getattr(r.stats, "accepted_prediction_tokens", None) is not None]
     if not stats:
         return None
     return {"accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in stats),
