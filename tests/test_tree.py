@@ -268,3 +268,60 @@ def test_greedy_with_trees_on_llama_cpp_equals_plain(smollm):
     from specdecode.parity import parity_report
     assert parity_report(res, plain)["status"] in ("exact", "near-tie")
     assert res.stats.tree_steps > 0 and res.stats.accepted_per_rank[1] > 0
+
+
+# --- the tree's shape from the cost -------------------------------------------------------
+
+from specdecode.control.controller import Source, SpeculationController  # noqa: E402
+from specdecode.control.costmodel import CostCurve  # noqa: E402
+from specdecode.control.trees import TreeCalibration, plan_tree  # noqa: E402
+
+TREE = Draft([5, 6, 7, 8, 9, 10], None, [-1, -1, 0, 0, 2, 1], [0.6, 0.3, 0.4, 0.15, 0.2, 0.1])
+FLAT_T = np.array([0.0] + [0.05] * 40)                               # verification nearly free
+STEEP_T = np.array([0.0] + [0.05 * n for n in range(1, 41)])          # every row costs a step
+
+
+def test_the_tree_keeps_the_prefix_that_pays():
+    cal = TreeCalibration(prior=1.0)
+    assert plan_tree(TREE, cal, FLAT_T, 0.0).token_ids == TREE.token_ids  # free rows: all of it
+    assert plan_tree(TREE, cal, STEEP_T, 0.0).token_ids == []  # each node costs a plain step: none pays
+    mid = np.array([0.0, 0.05, 0.055, 0.06, 0.065, 0.12, 0.15, 0.18] + [0.2] * 33)  # a bend after 4 rows
+    cut = plan_tree(TREE, cal, mid, 0.0)
+    assert cut.token_ids == [5, 6, 7] and cut.parents == [-1, -1, 0]  # the bend: three nodes
+    assert plan_tree(Draft([1, 2]), cal, FLAT_T, 0.0).token_ids == [1, 2]  # a chain is left alone
+
+
+def test_the_calibration_learns_how_far_the_drafters_probabilities_are_from_the_target():
+    cal = TreeCalibration(prior=1.0)
+    for _ in range(40):
+        cal.update(expected=2.0, accepted=0)  # confident trees that never hold
+    assert cal.factor < 0.1
+    mid = np.array([0.0, 0.05, 0.055, 0.06, 0.065, 0.12, 0.15, 0.18] + [0.2] * 33)
+    assert plan_tree(TREE, cal, mid, 0.0).token_ids == []  # and the tree is no longer drafted
+    good = TreeCalibration(prior=0.2)
+    for _ in range(40):
+        good.update(expected=1.0, accepted=1)
+    assert good.factor > 0.9
+
+
+class TreeHeads(DrafterBase):
+    """A drafter of fixed probability-ordered trees (tree_width > 1, as heads with trees)."""
+
+    name = "tree-heads"
+    tree_width = 2
+
+    def propose(self, context, k):
+        return Draft(TREE.token_ids[:k], None, TREE.parents[:k], TREE.node_probs[:k])
+
+
+def test_the_controller_drafts_trees_where_the_cost_is_flat_and_chains_where_it_is_not():
+    flat = CostCurve(tuple(range(1, 34)), (0.05,) * 33)
+    c = SpeculationController([Source(TreeHeads(), 0.0)], flat, kmax=8)
+    c.start([1, 2], None)
+    d = c.propose([1, 2], 8)
+    assert d.parents is not None and len(d.token_ids) == 6
+    c.observe(2)
+    steep = CostCurve(tuple(range(1, 34)), tuple(0.05 * n for n in range(1, 34)))
+    c = SpeculationController([Source(TreeHeads(), 0.0)], steep, kmax=8)
+    c.start([1, 2], None)
+    assert c.propose([1, 2], 8).token_ids == []

@@ -35,6 +35,7 @@ from ..drafters.base import ContinuationRule, Draft, HiddenStateDrafter, Increme
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
 from .sources import SharedCosts, Source
+from .trees import plan_tree
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
 from ..sampling import Sampler
@@ -132,6 +133,7 @@ class SpeculationController(PlannedDrafter):
         self.measurement_note = ""  # how the cost curve was measured, when it is worth saying
         self._allowed: set[int] | None = None  # ids of the sources this generation may draft with (restrict)
         self._fixed = False
+        self._tree_expected: float | None = None  # the last tree's summed node probabilities
         self._proposed = False  # whether propose() ran this step, its seconds, and the step's own verification
         self._draft_s = 0.0
         self._own_verify: float | None = None
@@ -307,6 +309,8 @@ class SpeculationController(PlannedDrafter):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
+            if getattr(s.drafter, "tree_width", 1) > 1:
+                kk = cap  # a tree drafter proposes its whole budget; the tree's own plan cuts it
             if kk == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the
                 # steady rate saves per token repays it within the horizon.
@@ -375,8 +379,9 @@ class SpeculationController(PlannedDrafter):
         for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
             t0 = time.perf_counter()
             draft = s.drafter.propose(context, kk)
-            if draft.parents is not None:  # trees are not yet planned by cost: their first path
-                draft = draft.chain()
+            if draft.parents is not None:  # a tree: the prefix that pays most (control/trees.py), else its first path
+                draft = plan_tree(draft, s.tree_calibration, self._T, s.draft_cost) if draft.node_probs else draft.chain()
+            self._tree_expected = sum(draft.node_probs) if draft.parents is not None and draft.node_probs else None
             if draft.token_ids:
                 # The measured one-token forward underestimates what drafting really costs
                 # (catching up on accepted tokens, sampling, Python): follow the observed cost.
@@ -418,7 +423,11 @@ class SpeculationController(PlannedDrafter):
         self._prev_source, self._prev_full = s, s is not None and num_accepted == self._last_k
         if s is not None:  # a copy that goes on lengthens the run; a rejection ends it
             self._run = self._run + num_accepted if num_accepted == self._last_k else 0
-        if s is not None:
+        if s is not None and self._tree_expected is not None:  # a tree: its calibration learns, not the chain's
+            s.tree_calibration.update(self._tree_expected, num_accepted)
+            self._tree_expected = None
+            s.drafter.observe(num_accepted)
+        elif s is not None:
             s.estimator.update(self._last_k, num_accepted)
             if self._last_est is not None and self._last_est is not s.estimator:
                 self._last_est.update(self._last_k, num_accepted)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..drafters.base import Drafter, IncrementalDrafter, LookupDrafter
 from .costmodel import CostCurve, ObservedCurve, curve_table
+from .trees import TreeCalibration
 from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, LogisticAcceptance, StepFeatures,
                          TwoRateEstimator, match_band)
 
@@ -87,6 +88,7 @@ class Source:
     # and the logistic model that conditions it on the step's features (``model``).
     bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
     model: LogisticAcceptance | None = None
+    tree_calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree drafter's probabilities
 
     def __post_init__(self) -> None:
         if self.bands is None and isinstance(self.drafter, LookupDrafter):

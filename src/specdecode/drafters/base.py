@@ -66,6 +66,7 @@ class Draft:
     token_ids: list[int]
     probs: np.ndarray | None = None
     parents: list[int] | None = None
+    node_probs: list[float] | None = None  # a tree's nodes: the drafter's chance each is on the accepted path
 
     def chain(self) -> "Draft":
         """The tree's first path (each node's first child, from the root), as a chain; a

@@ -266,7 +266,9 @@ def medusa_tree(logits: np.ndarray, width: int, budget: int, eog_ids=frozenset()
     top ``width`` tokens of head d as the children of every depth-(d-1) node, expanded in
     order of their path's probability (the product of the heads' softmax probabilities)
     up to ``budget`` nodes. Returns a Draft with parents (nodes in topological order; an
-    end-of-generation token gets no children)."""
+    end-of-generation token gets no children) and node_probs (each node's path probability,
+    non-increasing: every prefix is the likeliest tree of its size,
+    :func:`specdecode.control.trees.plan_tree`)."""
     import heapq
 
     z = logits - logits.max(axis=1, keepdims=True)
@@ -276,6 +278,7 @@ def medusa_tree(logits: np.ndarray, width: int, budget: int, eog_ids=frozenset()
     heapq.heapify(heap)
     tokens: list[int] = []
     parents: list[int] = []
+    node_probs: list[float] = []
     while heap and len(tokens) < budget:
         neg, depth, rank, parent = heapq.heappop(heap)
         tok = int(top[depth][rank])
@@ -283,11 +286,12 @@ def medusa_tree(logits: np.ndarray, width: int, budget: int, eog_ids=frozenset()
             continue
         tokens.append(tok)
         parents.append(parent)
+        node_probs.append(-neg)
         if depth + 1 < len(top) and tok not in eog_ids:
             node = len(tokens) - 1
             for j, t in enumerate(top[depth + 1]):
                 heapq.heappush(heap, (neg * float(probs[depth + 1, t]), depth + 1, j, node))
-    return Draft(tokens, None, parents)
+    return Draft(tokens, None, parents, node_probs)
 
 
 def load_heads_drafter(path: str | Path, target: "Backend") -> HeadsDrafter:
