@@ -8,6 +8,7 @@ import pytest
 
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.costmodel import CostCurve
+from specdecode.control.guard import SpeedGuard
 from specdecode.drafters import PredictionDrafter
 from specdecode.drafters.kinds import kind_of
 from specdecode.engine import SpeculativeEngine
@@ -130,10 +131,16 @@ PIECES = [b"", b"\n"] + [bytes([97 + i % 26]) for i in range(2, 100)]
 CPU = CostCurve(tuple(range(1, 34)), tuple(0.03 + 0.012 * (n - 1) for n in range(1, 34)))
 
 
+def NO_GUARD() -> SpeedGuard:
+    """A guard that never stops drafting: these tests judge the controller's choices on the
+    modelled costs, not on the wall-clock times of a fake target (noisy on a shared machine)."""
+    return SpeedGuard(margin=1e9)
+
+
 def engine_run(script, prediction=None, drafter=None, k=32, **kw):
     target = ScriptedBackend(PIECES, script, n_prompt=len(PROMPT))
     d = drafter or SpeculationController([Source(NgramDrafter(), 1e-5), Source(PredictionDrafter(), 1e-5)], CPU,
-                                         kmax=k)
+                                         kmax=k, guard=NO_GUARD())
     eng = SpeculativeEngine(target, d, num_speculative_tokens=k)
     return eng.generate(PROMPT, max_tokens=200, prediction=prediction, **kw), target
 
@@ -185,7 +192,7 @@ def test_smollm_greedy_parity_with_a_prediction(smollm):
     msgs = [{"role": "user", "content": "Write a Python function that adds two numbers, with a docstring."}]
     ids = smollm.tokenize(smollm.apply_chat_template(msgs), add_special=False, parse_special=True)
     controller = SpeculationController([Source(NgramDrafter(), 1e-5), Source(PredictionDrafter(), 1e-5)], CPU,
-                                       kmax=32)
+                                       kmax=32, guard=NO_GUARD())
     eng = SpeculativeEngine(smollm, controller, num_speculative_tokens=32)
     plain = eng.generate(ids, max_tokens=80, plain=True, record_top2_gaps=True)
     pred = list(plain.token_ids)
@@ -201,7 +208,8 @@ def test_smollm_greedy_parity_with_a_prediction(smollm):
 def test_a_refused_request_leaves_its_slot_free():
     script = file_of(n_lines=4)
     target = ScriptedBackend(PIECES, script, n_prompt=len(PROMPT))
-    eng = SpeculativeEngine(target, SpeculationController([Source(PredictionDrafter(), 1e-5)], CPU, kmax=8), 8)
+    eng = SpeculativeEngine(target, SpeculationController([Source(PredictionDrafter(), 1e-5)], CPU, kmax=8,
+                                                          guard=NO_GUARD()), 8)
     for bad in (dict(draft="ngram"), dict(draft="qwen-9b")):
         with pytest.raises(SpecDecodeError):
             eng.generate(PROMPT, max_tokens=20, **bad)
@@ -215,7 +223,8 @@ def test_seeded_sampling_gives_the_same_text_with_any_prediction():
     control: another seed gives another text)."""
     script = file_of(n_lines=10)
     target = ScriptedBackend(PIECES, script, n_prompt=len(PROMPT), margin=1.0)  # flat enough to sample
-    eng = SpeculativeEngine(target, SpeculationController([Source(PredictionDrafter(), 1e-5)], CPU, kmax=16), 16)
+    eng = SpeculativeEngine(target, SpeculationController([Source(PredictionDrafter(), 1e-5)], CPU, kmax=16,
+                                                          guard=NO_GUARD()), 16)
     kw = dict(max_tokens=60, temperature=1.0, seed=11, sampling_rule="gumbel", batch_invariant="off")
     plain = eng.generate(PROMPT, plain=True, **kw).token_ids
     assert plain != script[:60]  # it samples
