@@ -177,9 +177,15 @@ def test_per_request_drafter_choice():
     script = file_of(n_lines=10)
     res, t = engine_run(script, prediction=script, draft="none")
     assert res.token_ids == script and res.stats.drafted == 0
-    res, t = engine_run(script, prediction=script, draft="ngram")
-    assert res.token_ids == script and res.stats.accepted_prediction_tokens == 0
+    res, t = engine_run(script, draft="ngram")
+    assert res.token_ids == script and res.stats.accepted_prediction_tokens is None
     assert "prediction" not in res.stats.controller_note
+    with pytest.raises(SpecDecodeError) as e:  # a prediction the chosen drafter would not follow
+        engine_run(script, prediction=script, draft="ngram")
+    assert e.value.param == "prediction" and "'ngram'" in str(e.value)
+    with pytest.raises(SpecDecodeError) as e:  # the prediction drafter with nothing to follow
+        engine_run(script, draft="prediction")
+    assert e.value.param == "prediction"
     res, t = engine_run(script, prediction=script, draft="prediction", num_speculative_tokens=5)
     assert res.token_ids == script and max(res.stats.k_histogram) == 5
     assert res.stats.k_histogram[5] >= len(script) // 6 - 1  # K = 5 every step, but where the output ends sooner

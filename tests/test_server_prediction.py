@@ -104,6 +104,8 @@ def test_speculative_choices(client, plain):
     assert r.choices[0].message.content == text
     ks = {int(k) for k in r.model_extra["speculation"]["k_histogram"]}
     assert max(ks) == 6
+    assert r.model_extra["speculation"]["draft"] == "prediction"  # what this request ran with
+    assert r.model_extra["speculation"]["num_speculative_tokens"] == 6
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0,
                                        extra_body={"speculative": {"draft": "ngram"}})
     assert r.choices[0].message.content == text[:len(r.choices[0].message.content)]
@@ -111,6 +113,11 @@ def test_speculative_choices(client, plain):
 
 @pytest.mark.parametrize("body, param", [
     ({"speculative": {"draft": "qwen-70b"}}, "speculative.draft"),
+    ({"speculative": {"draft": "nope", "num_speculative_tokens": 0}}, "speculative.draft"),
+    ({"speculative": {"draft": "prediction"}}, "prediction"),
+    ({"speculative": {"draft": "ngram"}, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]},
+     "messages[1].tool_call_id"),
     ({"speculative": {"draft": 3}}, "speculative.draft"),
     ({"speculative": {"num_speculative_tokens": 99}}, "speculative.num_speculative_tokens"),
     ({"speculative": {"num_speculative_tokens": "many"}}, "speculative.num_speculative_tokens"),
@@ -121,9 +128,9 @@ def test_speculative_choices(client, plain):
     ({"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction.content[0]"),
 ])
 def test_bad_extension_fields_are_400_naming_them(http, body, param):
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4, **body})
+    body = {"messages": CHAT, **body}
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4, "stream": True,
-                                                **body})
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "stream": True, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param

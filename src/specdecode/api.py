@@ -255,10 +255,10 @@ class Decoder:
         tokenized once with the target's tokenizer (no BOS, special tokens as text).
         Raises SpecDecodeError (param prediction) for anything else."""
         if isinstance(prediction, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in prediction):
-                raise SpecDecodeError('prediction parts must be {"type": "text", "text": ...} objects',
-                                      param="prediction")
+            for i, p in enumerate(prediction):
+                if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                    raise SpecDecodeError(f'prediction[{i}] must be {{"type": "text", "text": ...}}, got {p!r:.60}',
+                                          param=f"prediction[{i}]")
             prediction = "".join(p["text"] for p in prediction)
         if not isinstance(prediction, str):
             raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}", param="prediction")

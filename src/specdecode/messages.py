@@ -42,7 +42,18 @@ def check_messages(value: Any, name: str = "messages") -> list[dict]:
     """
     if not isinstance(value, list) or not value:
         raise SpecDecodeError(f"{name} must be a non-empty list of messages, got {json_repr(value)}", param=name)
-    return [_check_message(msg, f"{name}[{i}]") for i, msg in enumerate(value)]
+    out = [_check_message(msg, f"{name}[{i}]") for i, msg in enumerate(value)]
+    calls: set[str] = set()  # the ids of the tool calls made so far
+    for i, m in enumerate(out):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            if call["id"] in calls:
+                raise SpecDecodeError(f"{name}[{i}].tool_calls[{j}].id = {json_repr(call['id'])} repeats an earlier "
+                                      "call's id", param=f"{name}[{i}].tool_calls[{j}].id")
+            calls.add(call["id"])
+        if m["role"] == "tool" and m["tool_call_id"] not in calls:
+            raise SpecDecodeError(f"{name}[{i}].tool_call_id = {json_repr(m['tool_call_id'])} answers no earlier "
+                                  f"tool call (made so far: {json_repr(sorted(calls))})", param=f"{name}[{i}].tool_call_id")
+    return out
 
 
 def _check_message(msg: Any, where: str) -> dict:
@@ -110,6 +121,8 @@ def _check_tool_calls(calls: Any, where: str) -> list[dict]:
                 what = "a string (the arguments as JSON text)" if key == "function.arguments" else "a non-empty string"
                 raise SpecDecodeError(f"{at}.{key} must be {what}, got {json_repr(v)}", param=f"{at}.{key}")
             check_text(v, f"{at}.{key}")
+        # Arguments need not be valid JSON: a model's own call may not be (OpenAI's neither), and
+        # a client sends it back as it came; the template gets it as text then.
         out.append({"id": call["id"], "type": "function",
                     "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out

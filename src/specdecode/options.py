@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
-from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
+from .limits import (BACKENDS, MAX_TREE_WIDTH, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
                      SAMPLING_RULES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel)
 from .sampling import SamplingParams
@@ -130,6 +130,9 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
     check_parallel(vars(args).get("parallel", 1), "--parallel")
+    width = vars(args).get("tree_width", 1)
+    if not 1 <= width <= MAX_TREE_WIDTH:
+        raise SpecDecodeError(f"--tree-width {width} is out of range: expected 1..{MAX_TREE_WIDTH}", param="--tree-width")
 
 
 def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:

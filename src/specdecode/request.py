@@ -107,7 +107,8 @@ class GenerationOptions:
                                   f"{', '.join(BATCH_INVARIANCE)}", param="batch_invariant")
         if self.prediction is not None:
             if not isinstance(self.prediction, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.prediction):
-                raise SpecDecodeError(f"prediction must be a list of token ids (integers >= 0), got "
+                raise SpecDecodeError(f"prediction must be the predicted text (a string, or a list of {{\"type\": "
+                                      f"\"text\", \"text\": ...}} parts) or its token ids, got "
                                       f"{str(self.prediction)[:60]}", param="prediction")
             object.__setattr__(self, "prediction", tuple(self.prediction))
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):

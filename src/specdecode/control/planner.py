@@ -115,6 +115,13 @@ def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, predi
     name it does not hold, "auto" without the controller, a prediction with no drafter that
     follows one."""
     restrict = getattr(drafter, "restrict", None)
+    names = ", ".join(getattr(drafter, "drafter_names", None) or [drafter.name])
+    if prediction and draft not in (None, "auto", "prediction"):
+        raise SpecDecodeError(f"a prediction is followed by draft 'auto' or 'prediction'; this request chose draft "
+                              f"{draft!r}", param="prediction")
+    if draft == "prediction" and not prediction:
+        raise SpecDecodeError("draft 'prediction' drafts from the request's prediction, and none was given",
+                              param="prediction")
     if draft not in (None, "auto"):
         if restrict is not None:
             try:
@@ -130,8 +137,8 @@ def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, predi
     if prediction:
         give = getattr(drafter, "set_prediction", None)
         if give is None or give(prediction, token_bytes) is False:
-            raise SpecDecodeError(f"prediction needs a drafter that follows one (draft 'auto' or 'prediction'); "
-                                  f"this engine drafts with {drafter.name!r}", param="prediction")
+            raise SpecDecodeError(f"a prediction needs a drafter that follows one (draft 'auto' or 'prediction'); "
+                                  f"this one drafts with {names}", param="prediction")
 
 
 def prediction_counts(drafter: Drafter) -> tuple[int, int] | None:

@@ -237,8 +237,16 @@ class _Routes:
         app.add_route("/health", self.health, methods=["GET"])
         app.add_route("/metrics", self.prometheus_metrics, methods=["GET"])
 
-    def speculation(self, result: Any) -> dict:
-        return {**result.stats.to_dict(), **self.draft_info}
+    def speculation(self, result: Any, req: Any = None) -> dict:
+        """A choice's statistics, with the draft and K it ran with (the request's own, from
+        its ``speculative`` field, where it set them)."""
+        info = dict(self.draft_info)
+        opts = getattr(req, "options", None)
+        if opts is not None and opts.draft is not None:
+            info["draft"] = opts.draft
+        if opts is not None and opts.num_speculative_tokens is not None:
+            info["num_speculative_tokens"] = opts.num_speculative_tokens
+        return {**result.stats.to_dict(), **info}
 
     async def completions(self, request: Request) -> Response:
         return await self.serve(request, "completion")
@@ -275,8 +283,8 @@ class _Routes:
         if event[0] == "error":
             raise event[1]
         if not req.stream:
-            return JSONResponse(full_response(kind, self.model_name, choices, self.speculation, req.tools))
-        return _sse_response_class()(stream(kind, self.model_name, req, job, event, self.speculation),
+            return JSONResponse(full_response(kind, self.model_name, choices, lambda r: self.speculation(r, req), req.tools))
+        return _sse_response_class()(stream(kind, self.model_name, req, job, event, lambda r: self.speculation(r, req)),
                                      on_close=lambda: self.worker.cancel(job))
 
     async def _submit(self, request: Request, kind: str) -> Job:

@@ -79,7 +79,7 @@ def parse_speculative(value: Any) -> dict:
             raise _error(f"speculative.num_speculative_tokens = {json_repr(k)} is out of range: expected an integer "
                          f"0..{MAX_NUM_SPECULATIVE_TOKENS} or \"auto\"", "speculative.num_speculative_tokens")
         out["num_speculative_tokens"] = k
-        if k == 0:
+        if k == 0 and "draft" not in out:  # a named draft is still checked against what is loaded
             out["draft"] = "none"
     return out
 

@@ -223,6 +223,11 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
     b = _Body(body)
     _check_model(b, model_name)
     prompt, messages = _parse_prompt(body, kind)
+    for i, m in enumerate(messages or () if tool_format is None else ()):  # a template that cannot show tool use
+        if m.get("tool_calls") or m["role"] == "tool":
+            field = f"messages[{i}].tool_calls" if m.get("tool_calls") else f"messages[{i}].role"
+            raise APIError(400, f"{field}: the model {json_repr(model_name)} has no known tool-call format in its chat "
+                           "template, so its conversations cannot carry tool calls or tool messages", param=field)
     n = b.integer("n", 1, MAX_N, " (choices run one after another on this server)") or 1
     max_tokens = _parse_max_tokens(b, n, n_ctx)
     sampling = _parse_sampling(b, body)
