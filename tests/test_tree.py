@@ -227,12 +227,28 @@ def test_medusa_tree_expands_the_likeliest_paths_first():
 
 # --- trees on llama.cpp (sequence ids) ---------------------------------------------------
 
-def test_llama_tree_rows_match_each_path_and_keep_one(smollm):
+@pytest.fixture(scope="module")
+def smollm_trees(smollm_path):
+    """smollm2 on llama.cpp with branch sequences for trees (as Decoder(tree_width > 1) loads it)."""
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+    from specdecode.backends.llama_tree import TREE_BRANCHES
+
+    b = LlamaCppBackend(smollm_path, n_ctx=2048, name="smollm2-135m-instruct", tree_branches=TREE_BRANCHES)
+    yield b
+    b.close()
+
+
+def test_llama_without_branches_verifies_no_trees(smollm):
+    assert not smollm.supports_tree  # the default context: its sequences are the slots'
+
+
+def test_llama_tree_rows_match_each_path_and_keep_one(smollm_trees):
     """Each row of a tree decoded through branch sequence ids has its path's logits run
     alone (within batched numerics, and the same argmax); keeping a path leaves the cache
     as that chain's, and the branch sequences empty."""
     from specdecode.backends.llama_tree import TREE_BRANCHES
 
+    smollm = smollm_trees
     prompt = smollm.tokenize("def add(a, b):\n    return", add_special=True)
     smollm.rollback(0)
     smollm.forward(prompt[:-1], [])
@@ -260,7 +276,8 @@ def test_llama_tree_rows_match_each_path_and_keep_one(smollm):
     smollm.rollback(0)
 
 
-def test_greedy_with_trees_on_llama_cpp_equals_plain(smollm):
+def test_greedy_with_trees_on_llama_cpp_equals_plain(smollm_trees):
+    smollm = smollm_trees
     prompt = smollm.tokenize("def fibonacci(n):", add_special=True)
     plain = SpeculativeEngine(smollm, TreeOracle(0, []), 0).generate(prompt, max_tokens=40, plain=True,
                                                                       record_top2_gaps=True)

@@ -90,7 +90,7 @@ class Decoder:
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         set_tree_width(None, tree_width)  # checked before anything loads
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
-                                   device=device, progress=progress, n_seq=parallel)
+                                   device=device, progress=progress, n_seq=parallel, trees=tree_width > 1)
         try:
             opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
                         device=device, draft_vocab=draft_vocab, n_seq=parallel)

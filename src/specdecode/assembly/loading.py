@@ -14,6 +14,7 @@ from pathlib import Path
 from . import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
+from ..backends.llama_tree import TREE_BRANCHES
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
 from ..control.measure import cached_forward_curve, cached_measurement, rewrite_from_live
@@ -35,11 +36,12 @@ def backend_kind(name_or_path: str, backend: str = "auto") -> str:
 
 def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
                  dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True,
-                 n_seq: int = 1) -> Backend:
+                 n_seq: int = 1, trees: bool = False) -> Backend:
     """Load a model on the chosen backend.
 
     n_seq: sequences for concurrent generations (llama.cpp; the torch backend holds one
-    and raises SpecDecodeError for more).
+    and raises SpecDecodeError for more). trees: able to verify trees of drafts (llama.cpp:
+    with TREE_BRANCHES branch sequences; torch always is).
 
     llama.cpp: a registry name (pulled on first use) or a .gguf path.
     torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
@@ -49,7 +51,8 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_
     kind = backend_kind(name_or_path, backend)
     if kind == "llama.cpp":
         path = registry.resolve(name_or_path, progress=progress)
-        return _known(LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq))
+        return _known(LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq,
+                                      tree_branches=TREE_BRANCHES if trees else 0))
     if n_seq != 1:
         raise SpecDecodeError(f"the torch backend serves one sequence at a time: {n_seq} parallel sequences "
                               f"(--parallel {n_seq}) need the llama.cpp backend (a GGUF model)", param="parallel")

@@ -138,17 +138,16 @@ class LlamaCppBackend(BackendBase):
     split. n_seq: sequences (llama.cpp sequence ids 0..n_seq-1) for concurrent
     generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
 
-    The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a
-    batch whose sequences bring different numbers of tokens stays one ubatch. Hidden states
-    (draft heads): llama.cpp's embeddings output, turned on for the calls that need it.
-    Trees of drafts (:mod:`.llama_tree`) use TREE_BRANCHES further sequence ids.
+    The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a batch
+    whose sequences bring different numbers of tokens stays one ubatch. Hidden states: the
+    embeddings output, on for the calls that need it. Trees (:mod:`.llama_tree`): tree_branches.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
     """
 
     supports_hidden_states = True
-    supports_tree = True
+    supports_tree = property(lambda self: self._tree_branches > 0)  # trees need branch sequences
 
     def __init__(
         self,
@@ -158,6 +157,7 @@ class LlamaCppBackend(BackendBase):
         n_batch: int = 512,
         name: str | None = None,
         n_seq: int = 1,
+        tree_branches: int = 0,
     ) -> None:
         _init_llama()
         import llama_cpp
@@ -199,7 +199,7 @@ class LlamaCppBackend(BackendBase):
         cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = self._n_batch
         cparams.n_ubatch = self._n_batch
-        cparams.n_seq_max = n_seq + llama_tree.TREE_BRANCHES
+        cparams.n_seq_max = n_seq + tree_branches
         cparams.kv_unified = True
         # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
         cparams.n_outputs_max = self._rows_max
@@ -214,8 +214,9 @@ class LlamaCppBackend(BackendBase):
         self._mem = llama_cpp.llama_get_memory(ctx)
         # llama.cpp rounds the context up (to a multiple of 256): the limit is the one asked for.
         self._n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(ctx)) // n_seq)
-        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, n_seq + llama_tree.TREE_BRANCHES)
+        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1 + tree_branches)
         self._seq_lens = [0] * n_seq
+        self._tree_branches = tree_branches
         self.n_threads = n_threads
 
         self._embeddings = False  # whether the context outputs embeddings (llama_set_embeddings)
@@ -405,13 +406,12 @@ class LlamaCppBackend(BackendBase):
         return run
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
-        """A tree block on sequence seq (:mod:`.llama_tree`): (logits [N, V], hidden [N, H] or None)."""
+        """A tree block on seq (:mod:`.llama_tree`): (logits [N, V], hidden [N, H] or None)."""
         self._require_open()
         return llama_tree.forward_tree(self, token_ids, parents, seq, hidden)
 
     def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
-        """The root and the accepted path of the last tree block into seq; the branches cleared."""
-        llama_tree.keep_rows(self, rows, n_rows, seq)
+        llama_tree.keep_rows(self, rows, n_rows, seq)  # the root and path into seq; branches cleared
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant forwards (see the contract): one-token forwards on one thread (with

@@ -2,7 +2,8 @@
 sequence ids, as llama.cpp's own ``examples/speculative`` does with ``n_seq_dft``.
 
 Sequence ids: the backend's context holds ``n_seq`` generation sequences (slots 0..n_seq-1)
-and TREE_BRANCHES branch sequences after them (n_seq..n_seq+TREE_BRANCHES-1), shared by
+and, when loaded with ``tree_branches`` (TREE_BRANCHES where trees are asked for), that many
+branch sequences after them (n_seq..n_seq+tree_branches-1), shared by
 every slot: a tree step uses them only within its own call and clears them before it ends
 (the engine verifies trees only for a generation alone in its step). For a tree of m leaves
 the generation's cached prefix is shared into branch sequences n_seq..n_seq+m-1
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 
-TREE_BRANCHES = 8  # leaves a tree may have (branch sequences of the context)
+TREE_BRANCHES = 8  # leaves a tree may have (branch sequences a context is given for trees)
 
 
 def _leaves_under(parents: Sequence[int]) -> list[list[int]]:
@@ -56,9 +57,9 @@ def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int], seq:
         raise ValueError(f"a block of {n} tokens is a root and {n - 1} nodes, got {len(parents)} parents")
     under = _leaves_under(parents)
     m = len(under[0])
-    if m > TREE_BRANCHES or n > min(backend._n_batch, backend._rows_max):
+    if m > backend._tree_branches or n > min(backend._n_batch, backend._rows_max):
         raise SpecDecodeError(f"{backend.name}: a tree of {m} leaves and {n} rows does not fit (at most "
-                              f"{TREE_BRANCHES} leaves and {min(backend._n_batch, backend._rows_max)} rows)")
+                              f"{backend._tree_branches} leaves and {min(backend._n_batch, backend._rows_max)} rows)")
     backend._check_forward([int(t) for t in token_ids], list(range(n)), seq)
     base = backend._seq_lens[seq]
     first = backend.n_seq  # the first branch sequence
@@ -110,6 +111,6 @@ def keep_rows(backend, rows: Sequence[int], n_rows: int, seq: int) -> None:
 
 def clear_branches(backend) -> None:
     """Remove every branch sequence's cells (the generation sequences keep theirs)."""
-    for j in range(TREE_BRANCHES):
+    for j in range(backend._tree_branches):
         backend._lib.llama_memory_seq_rm(backend._mem, backend.n_seq + j, -1, -1)
     backend._tree = None
