@@ -342,3 +342,16 @@ def test_the_controller_drafts_trees_where_the_cost_is_flat_and_chains_where_it_
     c = SpeculationController([Source(TreeHeads(), 0.0)], steep, kmax=8)
     c.start([1, 2], None)
     assert c.propose([1, 2], 8).token_ids == []
+
+
+def test_the_statistics_block_reports_tree_steps_and_ranks(models_, tokenizer):  # noqa: F811
+    from specdecode.cli import _stats_block
+
+    b = _tiny(models_, tokenizer)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=20, plain=True)
+    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12).generate(prompt, max_tokens=20)
+    d = res.stats.to_dict()
+    assert d["tree_steps"] == res.stats.tree_steps > 0 and sum(d["accepted_per_rank"]) == d["accepted"]
+    block = _stats_block("x", d)
+    assert f"trees: {d['tree_steps']} tree steps" in block and "rank 1:" in block

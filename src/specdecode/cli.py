@@ -46,6 +46,9 @@ def _stats_block(label: str, stats: dict) -> str:
     if stats.get("accepted_prediction_tokens") is not None:
         lines.append(f"prediction: {stats['accepted_prediction_tokens']} tokens accepted, "
                      f"{stats['rejected_prediction_tokens']} rejected")
+    if stats.get("tree_steps"):
+        ranks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(stats["accepted_per_rank"]))
+        lines.append(f"trees: {stats['tree_steps']} tree steps; accepted nodes by sibling rank: {ranks}")
     if stats.get("invariant_block"):
         lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
                      "equal one-token steps on this machine, so K and the drafter cannot change the text")
