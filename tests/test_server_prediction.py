@@ -5,14 +5,12 @@ what the server loaded (400 naming the field otherwise)."""
 
 from __future__ import annotations
 
-import httpx
-import openai
 import pytest
 
 from specdecode.api import Decoder
 from specdecode.server import create_app
 
-from test_server import ServerThread
+from test_server import ServerThread, client, http  # noqa: F401 (fixtures over this module's server)
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "Write a Python function that returns the squares of a list of numbers."}]
@@ -29,17 +27,6 @@ def decoder():
 def server(decoder):
     with ServerThread(create_app(decoder, max_queue=4)) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine, drive
 from .errors import SpecDecodeError
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, MAX_TREE_WIDTH, check_num_speculative_tokens, \
-    check_text, check_parallel
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, \
+    check_parallel, check_text, check_tree_width
 from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
 from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
@@ -88,7 +88,7 @@ class Decoder:
                                   param="draft_vocab")
         parallel = check_parallel(parallel)
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
-        set_tree_width(None, tree_width)  # checked before anything loads
+        check_tree_width(tree_width)  # before anything loads
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                    device=device, progress=progress, n_seq=parallel, trees=tree_width > 1)
         try:
@@ -267,9 +267,9 @@ class Decoder:
             return self.target.tokenize(check_text(prediction, "prediction"), add_special=False, parse_special=False)
 
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
-        if isinstance(fields.get("prediction"), (str, list)) and not (
-                isinstance(fields["prediction"], list) and all(isinstance(t, int) for t in fields["prediction"])):
-            fields = {**fields, "prediction": tuple(self.prediction_ids(fields["prediction"])) or None}
+        pred = fields.get("prediction")
+        if isinstance(pred, str) or isinstance(pred, list) and not all(isinstance(t, int) for t in pred):
+            fields = {**fields, "prediction": tuple(self.prediction_ids(pred)) or None}  # text: tokenized here
         options = GenerationOptions.from_kwargs(options, **fields)
         if prompt_ids is not None:
             if prompt is not None or messages is not None:
@@ -323,12 +323,9 @@ class Decoder:
         return spec, base, report
 
 
-def set_tree_width(drafter, width: object) -> None:
-    """Let draft heads draft trees of their top ``width`` candidates per head (1: chains).
-    Raises SpecDecodeError for a width outside 1..MAX_TREE_WIDTH."""
-    if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_TREE_WIDTH:
-        raise SpecDecodeError(f"tree_width = {width!r} is out of range: expected 1..{MAX_TREE_WIDTH}",
-                              param="tree_width")
+def set_tree_width(drafter, width: int) -> None:
+    """Let draft heads (the drafter, or the controller's sources) draft trees of their top
+    ``width`` candidates per head (1: chains)."""
     for d in [drafter] + [s.drafter for s in getattr(drafter, "sources", ())]:
         if hasattr(d, "tree_width"):
             d.tree_width = width

@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from . import __version__
@@ -21,7 +20,8 @@ from .errors import SpecDecodeError
 from .grammar import Grammar
 from .limits import BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs, check_text
 from .messages import check_messages
-from .options import add_model_options, add_sampling_options, check_model_args, sampling_from_args, sampling_kwargs
+from .options import (add_model_options, add_sampling_options, check_model_args, read_input, sampling_from_args,
+                      sampling_kwargs)
 from .server.cli import add_serve_parser
 
 EXIT_ERROR = 1
@@ -74,25 +74,6 @@ def _colour_tokens(dec, result) -> str:
     return "".join(
         ("\x1b[32m" + b.decode("utf-8", "replace") + "\x1b[0m") if f else b.decode("utf-8", "replace") for b, f in out
     )
-
-
-def read_input(path: str, option: str) -> str:
-    """The text of a file, or of standard input for "-" (as llama.cpp's -f). Raises
-    SpecDecodeError naming the option and the file when it cannot be read."""
-    p = Path(path).expanduser()
-    try:
-        if path == "-":
-            return sys.stdin.buffer.read().decode("utf-8")
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecDecodeError(f"{option} {path}: no such file", param=option) from None
-    except IsADirectoryError:
-        raise SpecDecodeError(f"{option} {path}: is a folder, expected a file", param=option) from None
-    except UnicodeDecodeError as e:
-        where = "standard input" if path == "-" else path
-        raise SpecDecodeError(f"{option} {where}: not UTF-8 text ({e.reason} at byte {e.start})", param=option) from None
-    except OSError as e:
-        raise SpecDecodeError(f"{option} {path}: cannot be read: {e.strerror}", param=option) from None
 
 
 def prompt_from_args(args: argparse.Namespace) -> tuple[str | None, list[dict] | None]:

@@ -100,6 +100,15 @@ def check_parallel(value: object, name: str = "parallel") -> int:
     return value
 
 
+def check_tree_width(value: object, name: str = "tree_width") -> int:
+    """Candidates per draft head in a tree of drafts, an integer 1..MAX_TREE_WIDTH (1: a chain).
+    Raises SpecDecodeError (param ``name``)."""
+    if not is_int(value) or not (1 <= value <= MAX_TREE_WIDTH):
+        raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer 1..{MAX_TREE_WIDTH}",
+                              param=name)
+    return value
+
+
 def check_logprobs(value: object, name: str = "logprobs") -> int | None:
     """None, or an integer 0..MAX_LOGPROBS. Raises SpecDecodeError (param ``name``)."""
     if value is not None and (not is_int(value) or not (0 <= value <= MAX_LOGPROBS)):

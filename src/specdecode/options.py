@@ -10,14 +10,17 @@ option, raised before any model is loaded.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
-from .limits import (BACKENDS, MAX_TREE_WIDTH, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
+from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
                      SAMPLING_RULES,
-                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel)
+                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
+                     check_tree_width)
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -130,9 +133,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
     check_parallel(vars(args).get("parallel", 1), "--parallel")
-    width = vars(args).get("tree_width", 1)
-    if not 1 <= width <= MAX_TREE_WIDTH:
-        raise SpecDecodeError(f"--tree-width {width} is out of range: expected 1..{MAX_TREE_WIDTH}", param="--tree-width")
+    check_tree_width(vars(args).get("tree_width", 1), "--tree-width")
 
 
 def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
@@ -149,3 +150,22 @@ def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decod
 
     check_model_args(args)
     return Decoder(**decoder_kwargs(args, progress))
+
+
+def read_input(path: str, option: str) -> str:
+    """The text of a file, or of standard input for "-" (as llama.cpp's -f). Raises
+    SpecDecodeError naming the option and the file when it cannot be read."""
+    p = Path(path).expanduser()
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecDecodeError(f"{option} {path}: no such file", param=option) from None
+    except IsADirectoryError:
+        raise SpecDecodeError(f"{option} {path}: is a folder, expected a file", param=option) from None
+    except UnicodeDecodeError as e:
+        where = "standard input" if path == "-" else path
+        raise SpecDecodeError(f"{option} {where}: not UTF-8 text ({e.reason} at byte {e.start})", param=option) from None
+    except OSError as e:
+        raise SpecDecodeError(f"{option} {path}: cannot be read: {e.strerror}", param=option) from None

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .backends.base import tree_depths
 from .sampling import sample_token
 
 
@@ -265,9 +266,7 @@ def verify_tree(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarra
     grammar or penalties (each path would need its own history): the caller checks."""
     if sampler.params.greedy:
         return verify_tree_greedy(tokens, parents, [sampler.argmax(logits[r], ()) for r in range(len(logits))])
-    depth = [0]
-    for p in parents:
-        depth.append(depth[int(p) + 1] + 1)
+    depth = tree_depths(parents)
     if sampler.keyed:
         return verify_tree_keyed(tokens, parents,
                                  lambda r: sampler.draw(sampler.probs(logits[r], ()), base + depth[r]))

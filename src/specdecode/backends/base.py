@@ -287,3 +287,15 @@ class BackendBase:
         if not (0 <= n <= have):
             raise ValueError(f"rollback to {n} outside 0..{have}")
         return n < have
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """[N + 1] depths of a tree block's rows (row 0 the root, depth 0; row i + 1 node i, whose
+    parent is parents[i]: -1 the root, else an earlier node). A row's position is the cached
+    length plus its depth. Raises ValueError for a parent that is not an earlier node."""
+    depth = [0]
+    for i, p in enumerate(parents):
+        if not -1 <= int(p) < i:
+            raise ValueError(f"parents[{i}] = {p}: a parent must be -1 or an earlier node")
+        depth.append(depth[int(p) + 1] + 1)
+    return depth

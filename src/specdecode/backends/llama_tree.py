@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
+from .base import tree_depths
 
 TREE_BRANCHES = 8  # leaves a tree may have (branch sequences a context is given for trees)
 
@@ -63,9 +64,7 @@ def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int], seq:
     backend._check_forward([int(t) for t in token_ids], list(range(n)), seq)
     base = backend._seq_lens[seq]
     first = backend.n_seq  # the first branch sequence
-    depth = [0]
-    for p in parents:
-        depth.append(depth[int(p) + 1] + 1)
+    depth = tree_depths(parents)
     clear_branches(backend)  # a tree block that was rolled back rather than kept leaves its branches
     for j in range(m):
         lib.llama_memory_seq_cp(mem, seq, first + j, -1, -1)

@@ -19,21 +19,17 @@ from typing import Sequence
 
 import numpy as np
 
+from .base import tree_depths
+
 
 def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(depth [N], ancestor-or-self matrix [N, N] bool) of the rows of a tree whose nodes
     have ``parents`` (-1: the root's child). Raises ValueError for a parent after its child."""
-    n = len(parents) + 1
-    parent_row = np.array([-1] + [int(p) + 1 for p in parents])
-    depth = np.zeros(n, dtype=np.int64)
+    depth = np.array(tree_depths(parents), dtype=np.int64)
+    n = len(depth)
     anc = np.eye(n, dtype=bool)
     for r in range(1, n):
-        p = parent_row[r]
-        if not 0 <= p < r:
-            raise ValueError(f"parents[{r - 1}] = {parents[r - 1]}: a parent must be -1 or an earlier node")
-        depth[r] = depth[p] + 1
-        anc[r] = anc[p]
-        anc[r, r] = True
+        anc[r] |= anc[int(parents[r - 1]) + 1]
     return depth, anc
 
 

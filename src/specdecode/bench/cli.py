@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from ..errors import SpecDecodeError
-from ..options import add_model_options, add_sampling_options, check_model_args, sampling_from_args
+from ..options import add_model_options, add_sampling_options, check_model_args, read_input, sampling_from_args
 from .report import print_table, write_outputs
 from .runner import DEFAULT_CONFIGS, BenchConfig, run_bench
 from .suite import DEFAULT_BENCH_MAX_TOKENS
@@ -61,20 +59,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         n_ctx=args.ctx_size, n_threads=args.threads, backend=args.backend, draft_backend=args.draft_backend,
         dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
         progress=not args.quiet, background_load=args.background_load,
-        prediction=_read_prediction(args.prediction_file) if args.prediction_file else None,
+        prediction=read_input(args.prediction_file, "--prediction-file") if args.prediction_file else None,
     )
 
-
-def _read_prediction(path: str) -> str:
-    """The text of --prediction-file (a path, or - for standard input). Raises SpecDecodeError."""
-    try:
-        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecDecodeError(f"--prediction-file {path}: not UTF-8 text ({e.reason} at byte {e.start})",
-                              param="--prediction-file") from None
-    except OSError as e:
-        raise SpecDecodeError(f"--prediction-file {path}: cannot be read: {e.strerror}",
-                              param="--prediction-file") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

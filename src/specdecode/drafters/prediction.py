@@ -111,21 +111,23 @@ class PredictionDrafter(LookupDrafter):
         """Read the tokens committed since the last call."""
         if len(context) < self._read:  # a shorter context: another text; start over at its end
             self._read = self._out_start = len(context)
+        if not self._pred:  # no prediction (the usual case): nothing to follow
+            self._read = len(context)
+            return
         pred, n = self._pred, len(self._pred)
-        lost_now = False
         for t in context[self._read:]:
             self._expect += 1
             if self._pos is not None and self._pos < n and pred[self._pos] == t:
                 self._pos += 1
                 self._agree += 1
             else:
-                self._pos, self._agree, self._confirmed, lost_now = None, 0, False, True
+                self._pos, self._agree, self._confirmed = None, 0, False
         grew = len(context) > self._read
         self._read = len(context)
-        if self._pos is None and grew and pred:
-            self._realign(context, lost_now)
+        if self._pos is None and grew:
+            self._realign(context)
 
-    def _realign(self, context: Sequence[int], lost_now: bool) -> None:
+    def _realign(self, context: Sequence[int]) -> None:
         """Find where the output's last tokens agree with the prediction again."""
         out = context[self._out_start:]
         if not out:
@@ -134,8 +136,7 @@ class PredictionDrafter(LookupDrafter):
         cands = self._where.get(last, ())
         if not cands:
             return
-        line = self._is_newline(last)
-        need = MIN_ALIGN_LINE if line else MIN_ALIGN
+        need = MIN_ALIGN_LINE if self._is_newline(last) else MIN_ALIGN
         best = (self._best(out, cands, 1, near=True, window=WEAK_WINDOW)
                 or self._best(out, cands, need, near=True) or self._best(out, cands, need, near=False))
         if best is not None:

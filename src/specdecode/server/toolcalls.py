@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from typing import Collection
 
 from ..grammar import Grammar
@@ -208,9 +209,10 @@ class HermesParser:
         return True
 
 
-class ToolCallFormat:
-    """One way of writing tool calls (see the module docstring). marker: text whose presence
-    in a chat template says the template teaches this format."""
+class ToolCallFormat(ABC):
+    """One way of writing tool calls (see the module docstring), the contract a new family's
+    format implements. marker: text whose presence in a chat template says the template
+    teaches this format."""
 
     name = ""
     marker = ""
@@ -218,15 +220,15 @@ class ToolCallFormat:
     def matches(self, template: str) -> bool:
         return self.marker in template
 
+    @abstractmethod
     def parser(self, names: Collection[str], parallel: bool) -> HermesParser:
         """A fresh parser of one output that may call the named tools (only the first call
         returned unless parallel)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def grammar(self, schemas: dict[str, dict], several: bool) -> Grammar:
         """The grammar of output that is exactly one call (several: one or more) of one of
         the tools ``schemas`` names, its arguments valid for that tool's parameters schema."""
-        raise NotImplementedError
 
 
 class HermesFormat(ToolCallFormat):
