@@ -2,7 +2,7 @@
 chat and code-editing categories, which the self-distilled training corpus does not hold).
 
 For each prompt, in one process: plain decoding, heads drafting a chain of K tokens, and
-heads drafting a tree of each head's top W candidates (K nodes), greedy, on the torch
+heads drafting a tree of each head's top W candidates (K deep, --nodes nodes: ``max_tree_nodes``), greedy, on the torch
 backend. Prints per configuration: acceptance (accepted / drafted: a tree's every node
 counts as drafted), mean accepted length (tokens per target pass), decode tokens/s and the
 speedup over plain, and parity with plain.
@@ -37,18 +37,15 @@ def main() -> None:
     prompts = select_prompts(load_prompts(None), args.categories.split(","), args.per_category)
     nodes = args.nodes or 2 * args.k
     out: dict = {}
-    with Decoder(args.target, draft=f"heads:{args.heads}", num_speculative_tokens=nodes, backend="torch",
-                 dtype=args.dtype, progress=False) as dec:
-        heads = dec.drafter
+    with Decoder(args.target, draft=f"heads:{args.heads}", num_speculative_tokens=args.k, backend="torch",
+                 dtype=args.dtype, progress=False, tree_width=args.width) as dec:
         dec.generate(prompt="Hello", max_tokens=4, plain=True)  # warm-up
         for p in prompts:
             ids = dec.prompt_ids(p.prompt, p.messages)
             runs = {}
-            for name, width, k in (("plain", 1, 0), ("chain", 1, args.k), (f"tree w{args.width}", args.width, nodes)):
-                heads.tree_width = width
-                runs[name] = dec.generate(prompt_ids=ids, max_tokens=args.max_tokens,
-                                          plain=name == "plain", num_speculative_tokens=k or None,
-                                          record_top2_gaps=name == "plain")
+            for name, n in (("plain", 0), ("chain", 0), (f"tree w{args.width}", nodes)):
+                runs[name] = dec.generate(prompt_ids=ids, max_tokens=args.max_tokens, plain=name == "plain",
+                                          max_tree_nodes=n, record_top2_gaps=name == "plain")
             for name, r in runs.items():
                 row = out.setdefault(p.category, {}).setdefault(name, [])
                 row.append({"tokens": r.stats.completion_tokens, "decode_s": r.stats.decode_s,

@@ -401,3 +401,22 @@ def test_the_peer_restores_llama_cpp_when_its_load_fails(tmp_path):
     with pytest.raises(ValueError):
         PromptLookupPeer(tmp_path / "missing.gguf", n_ctx=512, n_threads=1)
     assert lib.llama_model_default_params is original
+
+
+def test_trees_run_beside_chains_as_config_plus_trees(smollm_path, tmp_path):
+    """--max-tree-nodes N: every configuration runs with chains and again with trees, side by
+    side, and both keep greedy parity."""
+    with pytest.raises(SpecDecodeError, match="max_tree_nodes = 65 is out of range"):
+        BenchConfig(max_tree_nodes=65)
+    assert config_from_args(_parse(["--max-tree-nodes", "8", "--tree-width", "2"])) == BenchConfig(
+        max_tree_nodes=8, tree_width=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "edit-1", "category": "code_editing", "max_tokens": 24,
+                                   "prompt": "a = 1\nb = 2\na = 3\nb = 4\na = 1\nb = 2\na = 3\nb ="}) + "\n")
+    res = run_bench(BenchConfig(target="smollm2-135m-instruct", prompts=prompts, configs=("ngram:3",),
+                                n_ctx=512, peer=False, progress=False, max_tree_nodes=6))
+    assert res["meta"]["configs"] == ["ngram:3", "ngram:3+trees"]
+    chain, tree = res["rows"]
+    assert chain["tree_steps"] == 0 and tree["config"] == "ngram:3+trees"
+    assert chain["parity"] != "divergent" and tree["parity"] != "divergent"
+    assert "mean_accepted_length" in res["summary"]["ngram:3+trees"]["overall"]

@@ -96,6 +96,9 @@ def test_speculative_choices(client, plain):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0,
                                        extra_body={"speculative": {"draft": "ngram"}})
     assert r.choices[0].message.content == text[:len(r.choices[0].message.content)]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0,
+                                       extra_body={"speculative": {"max_tree_nodes": 0}})
+    assert r.model_extra["speculation"]["max_tree_nodes"] == 0 and r.model_extra["speculation"]["tree_steps"] == 0
 
 
 @pytest.mark.parametrize("body, param", [
@@ -109,6 +112,8 @@ def test_speculative_choices(client, plain):
     ({"speculative": {"num_speculative_tokens": 99}}, "speculative.num_speculative_tokens"),
     ({"speculative": {"num_speculative_tokens": "many"}}, "speculative.num_speculative_tokens"),
     ({"speculative": {"k": 4}}, "speculative.k"),
+    ({"speculative": {"max_tree_nodes": 99}}, "speculative.max_tree_nodes"),
+    ({"speculative": {"max_tree_nodes": 4}}, "speculative.max_tree_nodes"),  # loaded for chains only
     ({"speculative": "fast"}, "speculative"),
     ({"prediction": "just text"}, "prediction"),
     ({"prediction": {"type": "content", "content": 5}}, "prediction.content"),

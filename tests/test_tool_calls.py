@@ -256,7 +256,7 @@ def run_stream(req, pieces: list[str], res, logprobs: bool = False) -> list[dict
     """The chunks a stream of these text deltas gives (the worker's events, faked)."""
     async def go():
         job = SimpleNamespace(events=asyncio.Queue())
-        events = [("delta", (0, p, {"content": [p], "refusal": None} if logprobs else None)) for p in pieces]
+        events = [("delta", (0, p, {"content": [p], "refusal": None} if logprobs else None, None)) for p in pieces]
         events.append(("choice", (0, res, None)))
         for e in events[1:]:
             job.events.put_nowait(e)

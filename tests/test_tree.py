@@ -177,7 +177,7 @@ def test_greedy_with_trees_equals_plain_decoding(models_, tokenizer, max_tokens)
     b = _tiny(models_, tokenizer)
     prompt = tokenizer("def add(a, b):")["input_ids"]
     plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=max_tokens, plain=True)
-    eng = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12)
+    eng = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12, max_tree_nodes=12)
     res = eng.generate(prompt, max_tokens=max_tokens)
     assert res.token_ids == plain.token_ids and res.finish_reason == plain.finish_reason
     st = res.stats
@@ -196,7 +196,7 @@ def test_a_stop_string_inside_the_accepted_path(models_, tokenizer):  # noqa: F8
     stop = text[j:j + 2]  # whole characters of the output, past its first third
     want = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=30, plain=True, stop=[stop])
     assert want.finish_reason == "stop"
-    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids, depth=8), 16).generate(
+    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids, depth=8), 16, max_tree_nodes=16).generate(
         prompt, max_tokens=30, stop=[stop])
     assert res.text == want.text and res.finish_reason == "stop" and res.stats.tree_steps > 0
 
@@ -206,7 +206,7 @@ def test_seeded_sampling_with_trees_is_plain_decodings_text(models_, tokenizer):
     prompt = tokenizer("def add(a, b):")["input_ids"]
     kw = dict(max_tokens=30, temperature=1.0, seed=5, sampling_rule="gumbel", batch_invariant="off")
     plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, plain=True, **kw)
-    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12).generate(prompt, **kw)
+    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12, max_tree_nodes=12).generate(prompt, **kw)
     assert res.token_ids == plain.token_ids and res.stats.tree_steps > 0
 
 
@@ -229,7 +229,7 @@ def test_medusa_tree_expands_the_likeliest_paths_first():
 
 @pytest.fixture(scope="module")
 def smollm_trees(smollm_path):
-    """smollm2 on llama.cpp with branch sequences for trees (as Decoder(tree_width > 1) loads it)."""
+    """smollm2 on llama.cpp with branch sequences for trees (as Decoder(max_tree_nodes > 0) loads it)."""
     from specdecode.backends.llama_cpp import LlamaCppBackend
     from specdecode.backends.llama_tree import TREE_BRANCHES
 
@@ -281,7 +281,7 @@ def test_greedy_with_trees_on_llama_cpp_equals_plain(smollm_trees):
     prompt = smollm.tokenize("def fibonacci(n):", add_special=True)
     plain = SpeculativeEngine(smollm, TreeOracle(0, []), 0).generate(prompt, max_tokens=40, plain=True,
                                                                       record_top2_gaps=True)
-    res = SpeculativeEngine(smollm, TreeOracle(len(prompt), plain.token_ids), 12).generate(prompt, max_tokens=40)
+    res = SpeculativeEngine(smollm, TreeOracle(len(prompt), plain.token_ids), 12, max_tree_nodes=12).generate(prompt, max_tokens=40)
     from specdecode.parity import parity_report
     assert parity_report(res, plain)["status"] in ("exact", "near-tie")
     assert res.stats.tree_steps > 0 and res.stats.accepted_per_rank[1] > 0
@@ -322,10 +322,10 @@ def test_the_calibration_learns_how_far_the_drafters_probabilities_are_from_the_
 
 
 class TreeHeads(DrafterBase):
-    """A drafter of fixed probability-ordered trees (tree_width > 1, as heads with trees)."""
+    """A drafter of fixed probability-ordered trees (tree_nodes > 0, as heads with trees)."""
 
     name = "tree-heads"
-    tree_width = 2
+    tree_nodes = 8
 
     def propose(self, context, k):
         return Draft(TREE.token_ids[:k], None, TREE.parents[:k], TREE.node_probs[:k])
@@ -350,8 +350,94 @@ def test_the_statistics_block_reports_tree_steps_and_ranks(models_, tokenizer): 
     b = _tiny(models_, tokenizer)
     prompt = tokenizer("def add(a, b):")["input_ids"]
     plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=20, plain=True)
-    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12).generate(prompt, max_tokens=20)
+    res = SpeculativeEngine(b, TreeOracle(len(prompt), plain.token_ids), 12, max_tree_nodes=12).generate(prompt, max_tokens=20)
     d = res.stats.to_dict()
     assert d["tree_steps"] == res.stats.tree_steps > 0 and sum(d["accepted_per_rank"]) == d["accepted"]
     block = _stats_block("x", d)
     assert f"trees: {d['tree_steps']} tree steps" in block and "rank 1:" in block
+
+
+def test_trees_in_a_batch_keep_every_sequence_to_its_committed_tokens(smollm_path):
+    """Two generations on llama.cpp with branch sequences: while both run, each drafts its
+    tree's first path (a batched step verifies chains); once one has ended the other's trees
+    are verified as trees. After every step each sequence holds exactly its committed tokens
+    but the last, the branch sequences hold nothing, and both outputs are plain decoding's."""
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+    from specdecode.backends.llama_tree import TREE_BRANCHES
+    from specdecode.parity import parity_report
+
+    b = LlamaCppBackend(smollm_path, n_ctx=1024, name="smollm2-135m-instruct", n_seq=2, tree_branches=TREE_BRANCHES)
+    try:
+        prompts = [b.tokenize(t, add_special=True) for t in ("def fibonacci(n):", "def add(a, b):")]
+        plains = [SpeculativeEngine(b, TreeOracle(0, []), 0, n_slots=1).generate(
+            p, max_tokens=m, plain=True, record_top2_gaps=True) for p, m in zip(prompts, (30, 10))]
+        eng = SpeculativeEngine(b, TreeOracle(0, []), 8, n_slots=2, max_tree_nodes=8)
+        gens = [eng.begin(p, drafter=TreeOracle(len(p), pl.token_ids), max_tokens=m)
+                for p, pl, m in zip(prompts, plains, (30, 10))]
+        results, batched_trees = {}, None
+        while any(not g.done for g in gens):
+            running = [g for g in gens if not g.done]
+            eng.step(running)
+            for g in running:
+                assert b.seq_len(g.slot.seq) == len(g.committed) - 1
+            for j in range(TREE_BRANCHES):
+                assert b._lib.llama_memory_seq_pos_max(b._mem, b.n_seq + j) == -1
+            if len(running) == 2:
+                batched_trees = sum(g.out.stats.tree_steps for g in gens)
+            for g in gens:
+                if g.done and id(g) not in results:
+                    results[id(g)] = [x for x in eng.end(g) if hasattr(x, "token_ids")][0]
+        assert batched_trees == 0  # two in the step: chains
+        assert results[id(gens[0])].stats.tree_steps > 0  # alone: trees
+        for g, pl in zip(gens, plains):
+            assert parity_report(results[id(g)], pl)["status"] in ("exact", "near-tie")
+    finally:
+        b.close()
+
+
+class EosSiblings(TreeOracle):
+    """TreeOracle whose wrong sibling at every node is the end-of-generation token."""
+
+    def __init__(self, prompt_len, output, eos):
+        super().__init__(prompt_len, output)
+        self.eos = eos
+
+    def propose(self, context, k):
+        d = super().propose(context, k)
+        tokens = [self.eos if i % 2 == 0 else t for i, t in enumerate(d.token_ids)]  # the even nodes are the wrong ones
+        return Draft(tokens, None, d.parents)
+
+
+def test_an_end_of_generation_token_in_a_rejected_branch_ends_nothing(models_, tokenizer):  # noqa: F811
+    b = _tiny(models_, tokenizer)
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    eos = tokenizer.eos_token_id
+    plain = SpeculativeEngine(b, TreeOracle(0, []), 0).generate(prompt, max_tokens=30, plain=True)
+    assert eos not in plain.token_ids
+    res = SpeculativeEngine(b, EosSiblings(len(prompt), plain.token_ids, eos), 12, max_tree_nodes=12).generate(
+        prompt, max_tokens=30)
+    assert res.token_ids == plain.token_ids and res.finish_reason == plain.finish_reason == "length"
+    assert res.stats.tree_steps > 0 and res.stats.accepted_per_rank[1] > 0
+
+
+def test_an_end_of_generation_token_inside_the_accepted_path(smollm_trees):
+    """The known answer's end-of-generation token drafted inside the tree's true branch: the
+    output ends there, as plain decoding's does."""
+    smollm = smollm_trees
+    text = smollm.apply_chat_template([{"role": "user", "content": "What is 2 + 2? Answer with the number only."}])
+    prompt = smollm.tokenize(text, add_special=False)
+    plain = SpeculativeEngine(smollm, TreeOracle(0, []), 0).generate(prompt, max_tokens=120, plain=True,
+                                                                      record_top2_gaps=True)
+    assert plain.finish_reason == "stop"  # the model ended its answer itself
+    smollm.rollback(0)
+    seq = prompt + plain.token_ids
+    eos = int(smollm.forward(seq, [len(seq) - 1])[0].argmax())  # the end-of-generation token it chose
+    smollm.rollback(0)
+    assert eos in smollm.eog_ids
+    truth = plain.token_ids + [eos]
+    res = SpeculativeEngine(smollm, TreeOracle(len(prompt), truth, depth=6), 12, max_tree_nodes=12).generate(
+        prompt, max_tokens=120)
+    from specdecode.parity import parity_report
+    assert parity_report(res, plain)["status"] in ("exact", "near-tie")
+    assert res.finish_reason == "stop" and res.stats.tree_steps > 0 and res.stats.eog_committed == 1
+    assert smollm.seq_len(0) <= len(prompt) + len(res.token_ids)

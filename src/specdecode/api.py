@@ -22,8 +22,9 @@ from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine, drive
 from .errors import SpecDecodeError
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_num_speculative_tokens, \
-    check_parallel, check_text, check_tree_width
+from .drafters.trees import set_tree_options
+from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
+    check_num_speculative_tokens, check_max_tree_nodes, check_parallel, check_text, check_tree_width
 from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
 from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
@@ -51,6 +52,12 @@ class Decoder:
     parallel: slots for concurrent generations (continuous batching, llama.cpp backend):
         :meth:`begin` / :meth:`step` / :meth:`end` run several at once in shared forwards;
         :meth:`stream` runs one (1..MAX_PARALLEL; the torch backend serves 1).
+    max_tree_nodes: nodes a tree of drafts may hold (SpecInfer, Medusa, EAGLE-2: candidates
+        verified in one forward with a tree mask; 0..MAX_TREE_NODES, 0 = chains only). None
+        (default): under the cost-aware controller, trees of up to DEFAULT_TREE_NODES on a
+        target that verifies them (torch), each cut to the prefix that pays under the measured
+        T(n); chains on llama.cpp, whose trees need branch sequences, loaded only for N > 0.
+        A request's own max_tree_nodes overrides it. tree_width: candidates per tree node.
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
     around each tokenization, begin, step and end), so generations from several threads
@@ -78,7 +85,8 @@ class Decoder:
         device: str = DEFAULT_DEVICE,
         draft_vocab: int = 0,
         parallel: int = 1,
-        tree_width: int = 1,
+        max_tree_nodes: int | None = None,
+        tree_width: int = DEFAULT_TREE_WIDTH,
     ) -> None:
         self.target_name = target
         self.draft_name = draft
@@ -89,8 +97,9 @@ class Decoder:
         parallel = check_parallel(parallel)
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         check_tree_width(tree_width)  # before anything loads
+        check_max_tree_nodes(max_tree_nodes)
         self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
-                                   device=device, progress=progress, n_seq=parallel, trees=tree_width > 1)
+                                   device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes))
         try:
             opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
                         device=device, draft_vocab=draft_vocab, n_seq=parallel)
@@ -102,8 +111,9 @@ class Decoder:
                 self.drafter = make_controller(draft, self.target, kmax=k, **opts) if k else NoDrafter()
             else:
                 self.drafter = make_drafter(draft, self.target, **opts)
-            set_tree_width(self.drafter, tree_width)
-            self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance)
+            set_tree_options(self.drafter, 0, tree_width)  # the node budget is set per generation
+            self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance,
+                                            max_tree_nodes=max_tree_nodes)
         except BaseException:
             self.target.close()
             raise
@@ -321,14 +331,6 @@ class Decoder:
             # so the logit bound of batched numerics scales by 1 / temperature.
             report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
         return spec, base, report
-
-
-def set_tree_width(drafter, width: int) -> None:
-    """Let draft heads (the drafter, or the controller's sources) draft trees of their top
-    ``width`` candidates per head (1: chains)."""
-    for d in [drafter] + [s.drafter for s in getattr(drafter, "sources", ())]:
-        if hasattr(d, "tree_width"):
-            d.tree_width = width
 
 
 def _speedup(spec: list[GenerationResult], plain: list[GenerationResult]) -> float | None:

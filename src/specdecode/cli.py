@@ -48,7 +48,9 @@ def _stats_block(label: str, stats: dict) -> str:
                      f"{stats['rejected_prediction_tokens']} rejected")
     if stats.get("tree_steps"):
         ranks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(stats["accepted_per_rank"]))
-        lines.append(f"trees: {stats['tree_steps']} tree steps; accepted nodes by sibling rank: {ranks}")
+        n = stats["tree_steps"]
+        lines.append(f"trees: {n} tree steps of {stats.get('tree_nodes', 0) / n:.1f} nodes, "
+                     f"{stats.get('tree_accepted', 0) / n:.2f} accepted per step; accepted nodes by sibling rank: {ranks}")
     if stats.get("invariant_block"):
         lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
                      "equal one-token steps on this machine, so K and the drafter cannot change the text")

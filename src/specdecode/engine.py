@@ -33,14 +33,14 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .backends.base import Backend, SeqForward, common_prefix_len
+from .backends.base import Backend, SeqForward, common_prefix_len, tree_prefix_within
 from .control.invariance import measure_invariant_block
-from .control.planner import (configure_generation, end_plan, observe_confidence, observe_verification, plan_batch,
-                              prediction_counts)
+from .control.planner import (configure_generation, draft_source, end_plan, observe_confidence, observe_verification,
+                              plan_batch, prediction_counts, tree_budget)
 from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
-from .limits import check_num_speculative_tokens
+from .limits import check_max_tree_nodes, check_num_speculative_tokens
 from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob, drive, top2_gap
 from .request import GenerationOptions
 from .sampling import Sampler
@@ -66,6 +66,7 @@ class Generation:
     k: int
     prompt_len: int
     invariant: bool = False  # verified batch-invariantly (GenerationOptions.invariant)
+    tree_nodes: int = 0  # the node budget of its trees of drafts (0: chains)
 
     @property
     def done(self) -> bool:
@@ -104,6 +105,7 @@ class SpeculativeEngine:
     num_speculative_tokens: K, drafted tokens per step (0 <= K <= MAX_NUM_SPECULATIVE_TOKENS).
     n_slots: concurrent generations (default: the target's n_seq); slot i runs on the
         target's KV sequence i with ``drafter.fork(i)`` (slot 0 with the drafter itself).
+    max_tree_nodes: nodes a tree of drafts may hold (0: chains; None: :func:`.control.planner.tree_budget`).
 
     A single generation (:meth:`stream`) is the batch of one: :meth:`begin` takes a slot
     and prefills it, :meth:`step` runs one batched step for any set of running
@@ -112,9 +114,8 @@ class SpeculativeEngine:
     strings and max_tokens, and rolls back its own sequence.
 
     Batch invariance: a generation whose options ask for it (seeded sampling, by default, where
-    the measured block holds at least 2 tokens) is verified in forwards of at most the
-    target's measured ``invariant_block`` tokens
-    (``invariance(target, seq)`` measures it, once), in the target's batch-invariant mode, and
+    the measured block holds at least 2 tokens) is verified in forwards of at most the target's
+    ``invariant_block`` tokens (``invariance(target, seq)`` measures it, once), in batch-invariant mode, and
     prefills its whole prompt (a cache written by other forwards could differ in the last
     bits): every row then has the logits of plain decoding, whatever K, drafter or batch.
 
@@ -122,9 +123,10 @@ class SpeculativeEngine:
     """
 
     def __init__(self, target: Backend, drafter: Drafter, num_speculative_tokens: int = 4,
-                 n_slots: int | None = None, invariance: Callable[[Backend, int], int] = measure_invariant_block
-                 ) -> None:
+                 n_slots: int | None = None, invariance: Callable[[Backend, int], int] = measure_invariant_block,
+                 max_tree_nodes: int | None = None) -> None:
         self.target = target
+        self.max_tree_nodes = check_max_tree_nodes(max_tree_nodes)  # None: the controller's default
         self.drafter = drafter
         self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens, allow_auto=False)
         n = target.n_seq if n_slots is None else n_slots
@@ -191,6 +193,7 @@ class SpeculativeEngine:
         if gen.invariant:
             where.cached = []  # no reuse: the prompt is prefilled as a fresh start would
         self._set_invariant(gen.invariant)
+        gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target)
         self._prefill(where, gen.committed, gen.drafter)
         gen.drafter.start(prompt_ids, sampler)
         if drafter is not self._plain:  # may refuse the request's draft or prediction: the slot stays free
@@ -309,9 +312,10 @@ class SpeculativeEngine:
         draft = gen.drafter.propose(gen.committed, k) if k > 0 else Draft([])
         if draft.parents is not None:
             p = gen.sampler.params
+            n = min(tree_prefix_within(draft.parents, self.target.max_tree_leaves), gen.tree_nodes, gen.room)
             if (tree_ok and self.target.supports_tree and gen.sampler.constraint is None and not p.has_penalties
-                    and not gen.invariant and len(draft.token_ids) <= k and len(draft.token_ids) > 0):
-                return list(draft.token_ids), None, list(draft.parents)
+                    and not gen.invariant and n > 0):
+                return list(draft.token_ids[:n]), None, list(draft.parents[:n])
             draft = draft.chain()
         draft_ids = draft.token_ids[:k]
         if gen.sampler.constraint is not None:  # a token the grammar rejects could never be accepted
@@ -354,7 +358,7 @@ class SpeculativeEngine:
         assert self.target.seq_len(slot.seq) == len(committed) - 1, "target KV length must be committed length - 1"
         observe_confidence(gen.drafter, logits[result.num_accepted])
         gen.drafter.observe(result.num_accepted)
-        return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps)
+        return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps, draft_source(gen.drafter))
 
     def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
         """Finish a generation (done, or stopped early: a cancelled request) and free its

@@ -12,7 +12,13 @@ from .errors import SpecDecodeError
 # the same role). Every K in the engine, the CLI, the server and the bench is checked
 # against this one value.
 MAX_NUM_SPECULATIVE_TOKENS = 32
-MAX_TREE_WIDTH = 8  # candidates per draft head in a tree of drafts (--tree-width)
+MAX_TREE_WIDTH = 8  # candidates per node of a tree of drafts (--tree-width)
+DEFAULT_TREE_WIDTH = 3
+# --max-tree-nodes: the nodes a tree of drafts may hold (0: chains only). The default
+# (None) lets the cost-aware controller draw trees of up to DEFAULT_TREE_NODES where the
+# target verifies trees, cut to the prefix that pays under the measured T(n).
+MAX_TREE_NODES = 64
+DEFAULT_TREE_NODES = 16
 # The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step.
 AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
 # Where the target's verification cost T(n) is measured (tokens per forward), up to
@@ -101,11 +107,20 @@ def check_parallel(value: object, name: str = "parallel") -> int:
 
 
 def check_tree_width(value: object, name: str = "tree_width") -> int:
-    """Candidates per draft head in a tree of drafts, an integer 1..MAX_TREE_WIDTH (1: a chain).
-    Raises SpecDecodeError (param ``name``)."""
+    """Candidates per node of a tree of drafts (the top W of each head or of the draft
+    model's distribution), an integer 1..MAX_TREE_WIDTH. Raises SpecDecodeError (param ``name``)."""
     if not is_int(value) or not (1 <= value <= MAX_TREE_WIDTH):
         raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer 1..{MAX_TREE_WIDTH}",
                               param=name)
+    return value
+
+
+def check_max_tree_nodes(value: object, name: str = "max_tree_nodes") -> int | None:
+    """None (the controller's default), or the nodes a tree of drafts may hold, an integer
+    0..MAX_TREE_NODES (0: chains only). Raises SpecDecodeError (param ``name``)."""
+    if value is not None and (not is_int(value) or not (0 <= value <= MAX_TREE_NODES)):
+        raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer 0..{MAX_TREE_NODES} "
+                              f"(0: chains only)", param=name)
     return value
 
 

@@ -20,7 +20,7 @@ from .errors import SpecDecodeError
 from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
                      SAMPLING_RULES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
-                     check_tree_width)
+                     check_tree_width, check_max_tree_nodes, DEFAULT_TREE_NODES, DEFAULT_TREE_WIDTH, MAX_TREE_NODES)
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,11 +81,22 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                         "< N, the prompt's tokens and end-of-generation ids (FR-Spec; cheaper drafts, same "
                         "output; default: 0 = all)")
     if draft:
-        p.add_argument("--tree-width", type=int, default=1, metavar="W",
-                       help="draft heads (--draft heads:FILE with a fixed -k) draft a tree of each head's top W "
-                            "candidates, verified in one forward on the torch backend (default: 1, a chain)")
+        add_tree_options(p)
     p.add_argument("--ctx-size", type=int, default=DEFAULT_N_CTX, help="context window in tokens (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    """--max-tree-nodes N and --tree-width W: trees of drafts (generate, serve, bench)."""
+    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
+                   help=f"nodes a tree of drafts may hold: draft heads and a draft model on the torch backend "
+                        f"draft several candidates per position, verified in one forward with a tree mask "
+                        f"(0..{MAX_TREE_NODES}; 0 = chains only; default: under -k auto, trees of up to "
+                        f"{DEFAULT_TREE_NODES} nodes where the target verifies them (torch), cut to what pays "
+                        f"under the measured cost; chains on llama.cpp, where N > 0 loads branch sequences)")
+    p.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH, metavar="W",
+                   help="candidates per node of a tree of drafts (each head's, or the draft model's, top W; "
+                        "default: %(default)s)")
 
 
 def add_parallel_option(p: argparse.ArgumentParser) -> None:
@@ -133,7 +144,8 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
     check_parallel(vars(args).get("parallel", 1), "--parallel")
-    check_tree_width(vars(args).get("tree_width", 1), "--tree-width")
+    check_tree_width(vars(args).get("tree_width", DEFAULT_TREE_WIDTH), "--tree-width")
+    check_max_tree_nodes(vars(args).get("max_tree_nodes"), "--max-tree-nodes")
 
 
 def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
@@ -141,7 +153,8 @@ def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
     return dict(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
                 n_ctx=args.ctx_size, n_threads=args.threads, progress=progress, backend=args.backend,
                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab,
-                parallel=vars(args).get("parallel", 1), tree_width=vars(args).get("tree_width", 1))
+                parallel=vars(args).get("parallel", 1), tree_width=vars(args).get("tree_width", DEFAULT_TREE_WIDTH),
+                max_tree_nodes=vars(args).get("max_tree_nodes"))
 
 
 def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":

@@ -15,6 +15,7 @@ Dimension letters: K = drafted tokens this step, V = vocabulary size.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterator, Sequence
@@ -92,12 +93,16 @@ class TextDelta(str):
 
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
+    runs: list[dict] | None  # traced generations: the text as runs {"text", "by"} (by: the drafter, None: the target)
+    step: dict | None  # traced generations: the step it came from {"k", "accepted", "committed", "by"}
 
     def __new__(cls, text: str = "", token_ids: Sequence[int] = (),
-                logprobs: list[TokenLogprob] | None = None) -> "TextDelta":
+                logprobs: list[TokenLogprob] | None = None, runs: list[dict] | None = None,
+                step: dict | None = None) -> "TextDelta":
         self = super().__new__(cls, text)
         self.token_ids = list(token_ids)
         self.logprobs = logprobs
+        self.runs, self.step = runs, step
         return self
 
     def __repr__(self) -> str:
@@ -149,6 +154,9 @@ class OutputAccumulator:
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.gaps: list[float] | None = [] if record_top2_gaps else None
         self._draft_pos: list[int] = []  # per emitted token: its draft position, -1 for the target's own
+        self._draft_by: list[str | None] = []  # per emitted token: the drafter of an accepted draft, else None
+        # trace: each delta also says which drafter each piece of its text came from (runs) and its step.
+        self.trace, self._step, self._traced_bytes = False, None, 0
         self._token_ends: list[int] = []  # per emitted token: byte offset where its bytes end
         self._reported = 0  # emitted tokens already reported by a TextDelta
         self._text = TextAssembler(stop)
@@ -174,14 +182,14 @@ class OutputAccumulator:
         return new[: self.remaining]
 
     def add(self, new: list[int], num_accepted: int, k: int, logits: np.ndarray,
-            gaps: Sequence[float] | None = None) -> TextDelta:
+            gaps: Sequence[float] | None = None, by: str | None = None) -> TextDelta:
         """Record one step that drafted k tokens and committed new (its first num_accepted
         accepted drafts, then the target's own); logits: [k+1, V] the target's raw logits
         at the step's positions (logprobs are of the raw distribution); gaps: the top-2 gap
         of the scores the acceptance rule chose each committed token by (penalties, grammar
         mask, temperature and noise applied; default: of the raw logits). Returns the text
         delta that is safe to stream ("" if none), with the tokens it completes (see
-        :class:`TextDelta`)."""
+        :class:`TextDelta`); by: the drafter that drafted them (traces name it)."""
         # An end-of-generation token that was an accepted draft is accepted, though not
         # emitted; drafts after it are not counted at all (nothing after the end is).
         eog_drafted = bool(self._step_eog) and num_accepted > len(new)
@@ -198,6 +206,8 @@ class OutputAccumulator:
             self._token_ends.append(end)
         self.emitted.extend(new)
         self._draft_pos.extend(j if j < n_acc else -1 for j in range(len(new)))
+        self._draft_by.extend(by if j < n_acc else None for j in range(len(new)))
+        self._step = {"k": k, "accepted": n_acc, "committed": len(new), "by": by if k else None}
         for j, tok in enumerate(new):
             if self.gaps is not None:
                 self.gaps.append(gaps[j] if gaps is not None else top2_gap(logits[j]))
@@ -209,7 +219,7 @@ class OutputAccumulator:
             # back in an earlier step.
             n_keep = self._text.num_tokens
             self.stats.retract_accepted(p for p in self._draft_pos[n_keep:] if p >= 0)
-            for kept in (self.emitted, self._draft_pos, self._token_ends, self.gaps, self.logprobs):
+            for kept in (self.emitted, self._draft_pos, self._draft_by, self._token_ends, self.gaps, self.logprobs):
                 if kept is not None:
                     del kept[n_keep:]
             self.finish_reason = "stop"
@@ -244,8 +254,25 @@ class OutputAccumulator:
             while upto < n and self._token_ends[upto] <= streamed and self._token_start(upto) < streamed:
                 upto += 1
         lo, self._reported = self._reported, max(self._reported, upto)
-        return TextDelta(text, self.emitted[lo:upto],
-                         self.logprobs[lo:upto] if self.logprobs is not None else None)
+        step, self._step = self._step, None
+        return TextDelta(text, self.emitted[lo:upto], self.logprobs[lo:upto] if self.logprobs is not None else None,
+                         self._runs(text) if self.trace else None, step if self.trace else None)
+
+    def _runs(self, text: str) -> list[dict]:
+        """text (the next streamed characters) as runs of one source each: the drafter of the
+        token whose bytes hold each character (None: the target's own token)."""
+        runs: list[list] = []
+        at = self._traced_bytes
+        for ch in text:
+            i = bisect.bisect_right(self._token_ends, at)
+            by = self._draft_by[i] if i < len(self._draft_by) else None
+            if runs and runs[-1][1] == by:
+                runs[-1][0] += ch
+            else:
+                runs.append([ch, by])
+            at += len(ch.encode("utf-8", "surrogatepass"))
+        self._traced_bytes = at
+        return [{"text": t, "by": b} for t, b in runs]
 
     def _token_start(self, i: int) -> int:
         return self._token_ends[i - 1] if i > 0 else 0

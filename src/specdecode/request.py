@@ -13,8 +13,8 @@ from typing import Any
 
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import (BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, check_logprobs, check_num_speculative_tokens,
-                     check_text, is_int)
+from .limits import (BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, check_logprobs,
+                     check_max_tree_nodes, check_num_speculative_tokens, check_text, is_int)
 from .sampling import SamplingParams
 
 
@@ -44,6 +44,8 @@ class GenerationOptions:
         (a kind such as "ngram", "suffix", "prediction", or a loaded draft model's name).
         With one source named and num_speculative_tokens set, it drafts that many each step
         (no planning); with "auto" num_speculative_tokens is the cap.
+    max_tree_nodes: the nodes a tree of drafts may hold in this generation (0..MAX_TREE_NODES;
+        0: chains only), or None for the engine's (:func:`specdecode.control.planner.tree_budget`).
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -59,6 +61,7 @@ class GenerationOptions:
     batch_invariant: str = "auto"
     prediction: tuple[int, ...] | None = None
     draft: str | None = None
+    max_tree_nodes: int | None = None
 
     @property
     def invariant(self) -> bool:
@@ -111,6 +114,7 @@ class GenerationOptions:
                                       f"\"text\", \"text\": ...}} parts) or its token ids, got "
                                       f"{str(self.prediction)[:60]}", param="prediction")
             object.__setattr__(self, "prediction", tuple(self.prediction))
+        check_max_tree_nodes(self.max_tree_nodes)
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecDecodeError(f"draft must be a non-empty string, got {self.draft!r}", param="draft")
         for name in ("record_top2_gaps", "plain"):

@@ -54,6 +54,8 @@ class Stats:
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
     tree_steps: int = 0
+    tree_nodes: int = 0  # nodes verified in tree steps
+    tree_accepted: int = 0  # nodes of the accepted paths of tree steps
     accepted_per_rank: list[int] = field(default_factory=list)
 
     @property
@@ -94,6 +96,8 @@ class Stats:
         nodes as drafted (verified), the rejection at the depth where the path stopped, and
         the sibling rank (0: its parent's first child) of each accepted node."""
         self.tree_steps += 1
+        self.tree_nodes += len(parents)
+        self.tree_accepted += len(path)
         self.drafted += len(parents) - len(path)
         at = path[-1] if path else -1
         depth = len(path)
@@ -134,6 +138,8 @@ class Stats:
             "controller_note": self.controller_note,
             "invariant_block": self.invariant_block,
             "tree_steps": self.tree_steps,
+            "tree_nodes": self.tree_nodes,
+            "tree_accepted": self.tree_accepted,
             "accepted_per_rank": list(self.accepted_per_rank),
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,

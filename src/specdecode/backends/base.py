@@ -86,6 +86,8 @@ class Backend(Protocol):
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
     supports_hidden_states: bool  # forward_batch_hidden() / make_heads() serve draft heads
     supports_tree: bool  # forward_tree() / keep_tree_rows() verify a tree of drafts in one forward
+    max_tree_leaves: int  # the most leaves (branches) a tree forward_tree() verifies may have
+    supports_tree_draft: bool  # forward_rows(): rows under an explicit mask (a draft model grows a tree)
     # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
     invariant_block: int | None
 
@@ -195,6 +197,8 @@ class BackendBase:
     supports_greedy_draft = False
     supports_hidden_states = False
     supports_tree = False
+    max_tree_leaves = 1 << 30
+    supports_tree_draft = False
     invariant_block: int | None = None
     chat_template: str | None = None  # a backend whose model has one overrides this
     _n_vocab: int
@@ -299,3 +303,17 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
             raise ValueError(f"parents[{i}] = {p}: a parent must be -1 or an earlier node")
         depth.append(depth[int(p) + 1] + 1)
     return depth
+
+
+def tree_prefix_within(parents: Sequence[int], max_leaves: int) -> int:
+    """The most leading nodes of a tree (parents in topological order) that form a tree of at
+    most max_leaves leaves (a prefix of such a list is always a tree)."""
+    children = [0] * len(parents)
+    leaves = 0
+    for i, p in enumerate(parents):
+        leaves += 1 if p < 0 or children[p] else 0  # a child of a leaf takes its place
+        if p >= 0:
+            children[p] += 1
+        if leaves > max_leaves:
+            return i
+    return len(parents)

@@ -140,14 +140,14 @@ class LlamaCppBackend(BackendBase):
 
     The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a batch
     whose sequences bring different numbers of tokens stays one ubatch. Hidden states: the
-    embeddings output, on for the calls that need it. Trees (:mod:`.llama_tree`): tree_branches.
+    embeddings output, on for the calls that need it. Trees (:mod:`.llama_tree`): tree_branches leaves.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
     """
 
     supports_hidden_states = True
-    supports_tree = property(lambda self: self._tree_branches > 0)  # trees need branch sequences
+    supports_tree, max_tree_leaves = property(lambda self: self._tree_branches > 0), property(lambda self: self._tree_branches)
 
     def __init__(
         self,

@@ -414,7 +414,7 @@ class TorchBackend(BackendBase):
                 drafted.append(nxt)
             return [int(t) for t in torch.stack(drafted).tolist()]
 
-    supports_tree = True
+    supports_tree = supports_tree_draft = True
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
         """A tree block (:mod:`.torch_tree`): root and nodes [N] appended; (logits [N, V] of
@@ -430,6 +430,12 @@ class TorchBackend(BackendBase):
         from .torch_tree import keep_rows
         self._check_seq(seq)
         keep_rows(self, rows, n_rows)
+
+    def forward_rows(self, token_ids: Sequence[int], positions: Sequence[int], visible, seq: int = 0):
+        """Rows under an explicit mask (:func:`.torch_tree.forward_rows`): logits [n, V]."""
+        from .torch_tree import forward_rows
+        self._check_seq(seq)
+        return forward_rows(self, token_ids, positions, visible)[0]  # the whole vocabulary
 
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop cached positions >= n: O(1), only the cache length moves (StaticCache.crop with a

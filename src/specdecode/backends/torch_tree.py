@@ -37,21 +37,34 @@ def forward_tree(backend, token_ids: Sequence[int], parents: Sequence[int], hidd
     """Append the block token_ids [N] (root, then the nodes) to the torch backend's cache and
     return the logits [N, V] (float32, host) of every row under the tree mask, and with
     hidden the final hidden states [N, H] (a device tensor; else None)."""
-    torch = backend._torch
     depth, anc = tree_layout(parents)
     n, start = len(token_ids), backend._kv_len
     if len(parents) + 1 != n:
         raise ValueError(f"a block of {n} tokens is a root and {n - 1} nodes, got {len(parents)} parents")
+    visible = np.ones((n, start + n), dtype=bool)
+    visible[:, start:] = anc
+    return forward_rows(backend, token_ids, depth + start, visible, hidden)
+
+
+def forward_rows(backend, token_ids: Sequence[int], positions: Sequence[int], visible: np.ndarray,
+                 hidden: bool = False):
+    """Append token_ids [n] to the cache at position ids ``positions`` [n], row r attending
+    to the cache cells where ``visible[r]`` (bool [n, C + n]: the C cached cells, then the
+    block's own); returns (logits [n, V] float32 on the host, hidden [n, H] on the device or
+    None). A tree drafter grows its tree with it a depth at a time (each row sees the prefix,
+    its ancestors' cells and itself). Raises ValueError for a mask of the wrong shape."""
+    torch = backend._torch
+    n, start = len(token_ids), backend._kv_len
+    if visible.shape != (n, start + n):
+        raise ValueError(f"a mask of shape {visible.shape} for {n} rows after {start} cached cells")
     backend._check_forward([int(t) for t in token_ids], list(range(n)), 0)
     dev = backend.device
     dtype = next(backend.model.parameters()).dtype
-    allowed = torch.ones(n, start + n, dtype=torch.bool, device=dev)
-    allowed[:, start:] = torch.from_numpy(anc).to(dev)
     mask = torch.zeros(1, 1, n, start + n, dtype=dtype, device=dev)
-    mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
-    pos = torch.from_numpy(depth + start).to(dev)
+    mask.masked_fill_(~torch.from_numpy(np.ascontiguousarray(visible)).to(dev)[None, None], torch.finfo(dtype).min)
+    pos = torch.tensor([list(map(int, positions))], dtype=torch.long, device=dev)
     kwargs = dict(input_ids=torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=dev),
-                  position_ids=pos[None], cache_position=torch.arange(start, start + n, device=dev),
+                  position_ids=pos, cache_position=torch.arange(start, start + n, device=dev),
                   attention_mask=mask, cache=backend._cache, use_cache=True)
     with torch.inference_mode():
         if hidden:  # as the model's own forward: the decoder, then the output projection

@@ -8,7 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..options import add_model_options, add_sampling_options, check_model_args, read_input, sampling_from_args
+from ..options import (add_model_options, add_sampling_options, add_tree_options, check_model_args, read_input,
+                       sampling_from_args)
 from .report import print_table, write_outputs
 from .runner import DEFAULT_CONFIGS, BenchConfig, run_bench
 from .suite import DEFAULT_BENCH_MAX_TOKENS
@@ -19,6 +20,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b = subparsers.add_parser("bench", help="benchmark speculative against plain decoding, per prompt category")
     # Drafts come in through --config, so no --draft / -k here.
     add_model_options(b, draft=False)
+    add_tree_options(b)  # with --max-tree-nodes N, each configuration also runs as CONFIG+trees
     add_sampling_options(b, seed=0)  # a fixed seed: sampled runs are comparable across configurations
     b.add_argument("--prompts", default=None, help="JSON Lines prompt file (default: the built-in suite)")
     b.add_argument("--config", action="append", metavar="DRAFT[:K]",
@@ -60,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
         progress=not args.quiet, background_load=args.background_load,
         prediction=read_input(args.prediction_file, "--prediction-file") if args.prediction_file else None,
+        max_tree_nodes=args.max_tree_nodes, tree_width=args.tree_width,
     )
 
 

@@ -176,8 +176,9 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     by_draft: dict = {}
     for cfg in cfgs:
-        draft, k = parse_config(cfg.removesuffix("+prediction"))
-        if k != "auto" and not cfg.endswith("+prediction"):
+        base = cfg.removesuffix("+prediction").removesuffix("+trees")  # runs of the same configuration
+        draft, k = parse_config(base)
+        if k != "auto" and base == cfg:
             by_draft.setdefault(draft, []).append((k, summary[cfg]["overall"]["decode_tokens_per_s"]))
         else:
             ax.axhline(summary[cfg]["overall"]["decode_tokens_per_s"], ls="--", lw=1, label=f"{cfg}")

@@ -33,8 +33,9 @@ from ..control.measure import cached_forward_curve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
-from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX,
-                      MAX_NUM_SPECULATIVE_TOKENS)
+from ..drafters.trees import set_tree_options
+from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH,
+                      MAX_NUM_SPECULATIVE_TOKENS, check_max_tree_nodes, check_tree_width)
 from ..assembly.loading import cached_invariance, make_controller, make_drafter
 from ..output import GenerationResult
 from ..parity import parity_report
@@ -48,6 +49,7 @@ from .suite import DEFAULT_BENCH_MAX_TOKENS, BenchPrompt, load_prompts, parse_co
 DEFAULT_CONFIGS = ("auto:auto",)
 WARMUP_TOKENS = 8  # tokens each engine and peer generates once before timing
 WITH_PREDICTION = "+prediction"  # a configuration's rows run with the prompt's prediction
+WITH_TREES = "+trees"  # a configuration's rows run with trees of drafts (--max-tree-nodes N)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class BenchConfig:
     background_load: run beside a CPU load of this fraction of the machine (0 < F <= 1;
         None: none).
     prediction: the predicted output of every prompt (None: each prompt's own, if any).
+    max_tree_nodes: None (each engine's default), 0 (chains only), or N: every configuration
+        runs with chains and, with drafters of its own, with trees of up to N nodes, as
+        ``CONFIG+trees``, side by side (the target loaded to verify trees). tree_width:
+        candidates per tree node.
 
     Raises SpecDecodeError naming the field when a value is out of range (before any
     model is loaded).
@@ -91,6 +97,8 @@ class BenchConfig:
     progress: bool = True
     background_load: float | None = None
     prediction: str | None = None
+    max_tree_nodes: int | None = None
+    tree_width: int = DEFAULT_TREE_WIDTH
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples, so configs stay immutable and comparable.
@@ -103,6 +111,8 @@ class BenchConfig:
             parse_config(c)
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens = {self.max_tokens} is out of range: expected >= 1", param="max_tokens")
+        check_max_tree_nodes(self.max_tree_nodes)
+        check_tree_width(self.tree_width)
         if self.background_load is not None:
             BackgroundLoad(self.background_load)  # raises for a value out of range
         if self.per_category is not None and self.per_category < 1:
@@ -138,12 +148,14 @@ def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, Spec
     for draft, k in config.parsed_configs():
         if f"{draft}:{k}" in engines:  # "ngram" and "ngram:auto" name the same configuration
             continue
-        if k == "auto":
-            drafter = make_controller(draft, target, kmax=AUTO_KMAX, **opts)
-            engines[f"{draft}:{k}"] = SpeculativeEngine(target, drafter, AUTO_KMAX, invariance=cached_invariance)
-        else:
-            engines[f"{draft}:{k}"] = SpeculativeEngine(target, make_drafter(draft, target, **opts), k,
-                                                        invariance=cached_invariance)
+        # With trees, CONFIG+trees gets drafters of its own: a lookup in earlier requests (suffix)
+        # must not find the answer that CONFIG's run of the same prompt just gave.
+        for name in (f"{draft}:{k}", f"{draft}:{k}{WITH_TREES}") if config.max_tree_nodes else (f"{draft}:{k}",):
+            drafter = make_controller(draft, target, kmax=AUTO_KMAX, **opts) if k == "auto" else \
+                make_drafter(draft, target, **opts)
+            set_tree_options(drafter, 0, config.tree_width)  # the node budget comes with each generation
+            engines[name] = SpeculativeEngine(target, drafter, AUTO_KMAX if k == "auto" else k,
+                                              invariance=cached_invariance)
 
 
 def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationResult, plain_rate: float, greedy: bool,
@@ -158,6 +170,7 @@ def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationR
         "drafted": s.drafted, "accepted": s.accepted, "target_forward_passes": s.target_forward_passes,
         "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position,
         "k_histogram": {str(k): v for k, v in s.k_histogram.items()},
+        "tree_steps": s.tree_steps, "tree_nodes": s.tree_nodes,
         "parity": parity_report(result, plain)["status"] if greedy else "n/a",
         "peer_tokens_per_s": peer_rate,
         "peer_assisted_tokens_per_s": assisted_rate,
@@ -238,6 +251,12 @@ def _warm_up(prompts: list[BenchPrompt], ids_of, target: Backend, plain_engine: 
     return w, warm.token_ids, [], None
 
 
+def _drafts_by_row_name(config: BenchConfig) -> dict[str, str]:
+    """Each row name a configuration may give (CONFIG, +prediction, +trees, both) -> its draft."""
+    return {f"{d}:{k}{w}": d for d, k in config.parsed_configs()
+            for w in ("", WITH_PREDICTION, WITH_TREES, WITH_TREES + WITH_PREDICTION)}
+
+
 def follows_prediction(drafter) -> bool:
     """Whether a drafter drafts from a request's prediction (the prediction kind, or the
     controller over it)."""
@@ -247,11 +266,12 @@ def follows_prediction(drafter) -> bool:
 
 def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: SpeculativeEngine,
                  engines: dict[str, SpeculativeEngine], params, prediction: list[int] | None = None,
-                 ) -> tuple[GenerationResult, dict]:
+                 trees: int | None = None) -> tuple[GenerationResult, dict]:
     """The i-th prompt's plain run and each configuration's (name -> result); with a
     prediction (its token ids), each configuration that follows one runs again with it, as
-    ``NAME+prediction``. Plain goes first on even prompts and last on odd ones, so that load
-    changing over the run weighs on both sides alike."""
+    ``NAME+prediction``; with trees (a node budget > 0), the engines named ``NAME+trees``
+    (drafters of their own) run with trees and the others with chains. Plain goes first on even prompts and last on odd ones, so
+    that load changing over the run weighs on both sides alike."""
     def run_plain():
         return plain_engine.generate(ids, sampling=params, max_tokens=p.max_tokens, record_top2_gaps=True,
                                      grammar=p.grammar)
@@ -259,7 +279,9 @@ def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: Speculati
     def run_configs():
         out = {}
         for name, eng in engines.items():
-            out[name] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar)
+            nodes = trees if name.endswith(WITH_TREES) else 0 if trees else None  # None: the engine's default
+            out[name] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar,
+                                     max_tree_nodes=nodes)
             if prediction and follows_prediction(eng.drafter):
                 out[name + WITH_PREDICTION] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens,
                                                            grammar=p.grammar, prediction=prediction)
@@ -297,14 +319,13 @@ def run_bench(config: BenchConfig) -> dict:
     params = config.sampling
     dec = Decoder(target=config.target, draft="none", num_speculative_tokens=0, n_ctx=config.n_ctx,
                   n_threads=config.n_threads, progress=config.progress, backend=config.backend,
-                  dtype=config.dtype, device=config.device)
+                  dtype=config.dtype, device=config.device, max_tree_nodes=config.max_tree_nodes or None)
     engines: dict[str, SpeculativeEngine] = {}
     try:
-        target = dec.target
-        plain_engine = dec.engine
+        target, plain_engine = dec.target, dec.engine
         _build_engines(config, target, engines)
         names = list(engines)
-        drafts = {f"{d}:{k}{w}": d for d, k in config.parsed_configs() for w in ("", WITH_PREDICTION)}
+        drafts = _drafts_by_row_name(config)
         oracle_drafters, curve = _oracle_setup(drafts, target, params.greedy)
 
         def ids_of(p: BenchPrompt) -> list[int]:
@@ -315,14 +336,15 @@ def run_bench(config: BenchConfig) -> dict:
         rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
         peer, peer_note, assisted_peer = _start_peers(config, target, engines, prompts, ids_of)
         rows = []
-        bar = tqdm(total=len(prompts) * (1 + len(engines)), desc="bench", unit="run", disable=not config.progress,
+        per_prompt = 1 + len(engines)  # runs, +prediction ones aside
+        bar = tqdm(total=len(prompts) * per_prompt, desc="bench", unit="run", disable=not config.progress,
                    file=sys.stderr, mininterval=5)
         with BackgroundLoad(config.background_load) if config.background_load else _no_load():
             for i, p in enumerate(prompts):
                 ids = ids_of(p)
                 pred = dec.prediction_ids(p.prediction) if p.prediction else None
-                plain, results = _time_prompt(p, ids, i, plain_engine, engines, params, pred)
-                bar.update(1 + len(engines))
+                plain, results = _time_prompt(p, ids, i, plain_engine, engines, params, pred, config.max_tree_nodes)
+                bar.update(per_prompt)
                 ps = plain.stats
                 plain_rate = decode_rate(ps.completion_tokens, ps.first_token_s, ps.prefill_s + ps.decode_s)
                 peer_rate = assisted_rate = None
@@ -340,7 +362,7 @@ def run_bench(config: BenchConfig) -> dict:
         for eng in engines.values():
             eng.drafter.close()
         dec.close()
-    names += [c for c in dict.fromkeys(r["config"] for r in rows) if c not in names]  # the +prediction runs
+    names += [c for c in dict.fromkeys(r["config"] for r in rows) if c not in names]  # the +prediction, +trees runs
     if curve is not None:  # after the timed runs, so the replays never delay them
         _add_oracle(runs, drafts, oracle_drafters, curve)
     meta = {"target": config.target, "prompts": len(prompts), "temperature": params.temperature,

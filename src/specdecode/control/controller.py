@@ -35,7 +35,7 @@ from ..drafters.base import ContinuationRule, Draft, HiddenStateDrafter, Increme
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
 from .sources import SharedCosts, Source
-from .trees import plan_tree
+from .trees import shape_tree, tree_depth
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
 from ..sampling import Sampler
@@ -115,8 +115,7 @@ class SpeculationController(PlannedDrafter):
                 s.drafter.set_continuation_rule(self._continuation_rule(s))
         self._last: Source | None = None
         self._last_est: AcceptanceEstimator | FeatureEstimator | TwoRateEstimator | None = None
-        self._last_k = 0
-        self._last_probe = False
+        self._last_k, self._last_probe, self._last_rows = 0, False, 1  # K: a tree's first path
         self._plain_streak = 0
         self._prev_source: Source | None = None  # who drafted the last step, and whether all was accepted
         self._prev_full = False
@@ -134,9 +133,11 @@ class SpeculationController(PlannedDrafter):
         self._allowed: set[int] | None = None  # ids of the sources this generation may draft with (restrict)
         self._fixed = False
         self._tree_expected: float | None = None  # the last tree's summed node probabilities
-        self._proposed = False  # whether propose() ran this step, its seconds, and the step's own verification
-        self._draft_s = 0.0
-        self._own_verify: float | None = None
+        # whether propose() ran this step, its seconds, and the step's own verification
+        self._proposed, self._draft_s, self._own_verify = False, 0.0, None
+
+    last_source = property(lambda self: self._last.name if self._last is not None else None,
+                           doc="The name of the source whose draft the last proposal returned (None: none).")
 
     @property
     def target_cost(self) -> CostCurve | ObservedCurve:
@@ -288,8 +289,7 @@ class SpeculationController(PlannedDrafter):
         judges the step."""
         if sample:
             self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
-        k = self._last_k if self._proposed else 0
-        self._own_verify = seconds if n <= k + 1 else None
+        self._own_verify = seconds if n <= (self._last_rows if self._proposed and self._last is not None else 1) else None
 
     def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[tuple]:
         """(rate, source, K, probe, estimator) of each drafter worth trying after context,
@@ -309,8 +309,8 @@ class SpeculationController(PlannedDrafter):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
-            if getattr(s.drafter, "tree_width", 1) > 1:
-                kk = cap  # a tree drafter proposes its whole budget; the tree's own plan cuts it
+            if getattr(s.drafter, "tree_nodes", 0) > 0:  # a tree: its own plan cuts it (control/trees.py)
+                kk = tree_depth(s.drafter, kk, cap)
             if kk == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the
                 # steady rate saves per token repays it within the horizon.
@@ -377,17 +377,18 @@ class SpeculationController(PlannedDrafter):
         else:
             plans = [p[:5] for p in self._candidates(context, k) if p[2] > 0]
         for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
-            t0 = time.perf_counter()
+            # A draft model that must first read many committed tokens times its catch-up, not its drafting.
+            t0, behind = time.perf_counter(), isinstance(s.drafter, IncrementalDrafter) and s.drafter.pending(context) > 4
             draft = s.drafter.propose(context, kk)
-            if draft.parents is not None:  # a tree: the prefix that pays most (control/trees.py), else its first path
-                draft = plan_tree(draft, s.tree_calibration, self._T, s.draft_cost) if draft.node_probs else draft.chain()
+            drafted_s = time.perf_counter() - t0
+            draft, levels, first = shape_tree(draft, s, self._costs, drafted_s)  # a tree: the prefix that pays
             self._tree_expected = sum(draft.node_probs) if draft.parents is not None and draft.node_probs else None
             if draft.token_ids:
-                # The measured one-token forward underestimates what drafting really costs
-                # (catching up on accepted tokens, sampling, Python): follow the observed cost.
-                per_token = (time.perf_counter() - t0) / len(draft.token_ids)
-                s.draft_cost += COST_EMA * (per_token - s.draft_cost)
-                self._last, self._last_est, self._last_k, self._last_probe = s, est, len(draft.token_ids), probe
+                # The measured one-token forward underestimates what drafting really costs (sampling, Python):
+                # follow the observed cost, per level drafted (a tree's depth).
+                s.draft_cost += 0.0 if behind else COST_EMA * (drafted_s / max(levels, 1) - s.draft_cost)
+                self._last, self._last_est, self._last_k, self._last_probe = s, est, first, probe
+                self._last_rows = len(draft.token_ids) + 1  # verified rows (a tree's nodes, the root)
                 self._plain_streak = 0
                 self.choices[s.name] += 1
                 self._used[s.name] += 1
@@ -423,9 +424,10 @@ class SpeculationController(PlannedDrafter):
         self._prev_source, self._prev_full = s, s is not None and num_accepted == self._last_k
         if s is not None:  # a copy that goes on lengthens the run; a rejection ends it
             self._run = self._run + num_accepted if num_accepted == self._last_k else 0
-        if s is not None and self._tree_expected is not None:  # a tree: its calibration learns, not the chain's
-            s.tree_calibration.update(self._tree_expected, num_accepted)
+        if s is not None and self._tree_expected is not None:  # a tree: its calibration learns, and the chain's
+            s.tree_calibration.update(self._tree_expected, num_accepted)  # estimate from its first path
             self._tree_expected = None
+            s.estimator.update(self._last_k, min(num_accepted, self._last_k))
             s.drafter.observe(num_accepted)
         elif s is not None:
             s.estimator.update(self._last_k, num_accepted)

@@ -157,6 +157,12 @@ class ObservedCurve:
         self.samples += 1
         self._values = None
 
+    def observed_points(self) -> list[tuple[int, float]]:
+        """(n, seconds) at each measured size with live samples: the median of its recent
+        step times (each kept as a ratio to the measured curve), for charts."""
+        recent = [tuple(d) for d in self._recent]  # copied at once: the serving thread appends to them
+        return [(int(n), float(s) * _median(d)) for n, s, d in zip(self.base.ns, self.base.seconds, recent) if d]
+
     def trusted(self) -> np.ndarray:
         """[len(base.ns)] bool: the points with enough live samples."""
         return np.array([len(d) >= self.min_samples for d in self._recent])

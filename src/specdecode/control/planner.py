@@ -19,7 +19,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..drafters.base import Drafter, DrafterBase
+from ..drafters.trees import set_tree_options
 from ..errors import SpecDecodeError
+from ..limits import DEFAULT_TREE_NODES
 from .costmodel import allocate_drafts
 
 
@@ -139,6 +141,31 @@ def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, predi
         if give is None or give(prediction, token_bytes) is False:
             raise SpecDecodeError(f"a prediction needs a drafter that follows one (draft 'auto' or 'prediction'); "
                                   f"this one drafts with {names}", param="prediction")
+
+
+def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target) -> int:
+    """The node budget of one generation's trees of drafts, set on its drafter (and the
+    controller's sources): the request's max_tree_nodes, else the engine's, else
+    DEFAULT_TREE_NODES under the cost-aware controller (which cuts each tree to the prefix
+    that pays) and chains for a drafter at a fixed K; 0 where the target verifies no trees.
+    Raises SpecDecodeError (param max_tree_nodes) when trees are asked of such a target."""
+    nodes = requested if requested is not None else default
+    verifies = getattr(target, "supports_tree", False)
+    if nodes and not verifies:
+        raise SpecDecodeError(f"max_tree_nodes = {nodes}: {target.name} was loaded to verify chains only; load it "
+                              f"with trees (Decoder(max_tree_nodes=N), --max-tree-nodes N) or ask for 0",
+                              param="max_tree_nodes")
+    if nodes is None:
+        nodes = DEFAULT_TREE_NODES if isinstance(drafter, PlannedDrafter) and verifies else 0
+    set_tree_options(drafter, nodes)
+    return nodes
+
+
+def draft_source(drafter: Drafter) -> str | None:
+    """The name of the drafter whose proposal the last step verified: a controller's chosen
+    source (``last_source``; None when it drafted nothing), else the drafter's own name."""
+    last = getattr(drafter, "last_source", None)
+    return last if last is not None or hasattr(drafter, "last_source") else drafter.name
 
 
 def prediction_counts(drafter: Drafter) -> tuple[int, int] | None:

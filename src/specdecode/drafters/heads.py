@@ -40,6 +40,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..files import atomic_path, sha256_file
 from .base import Draft, HiddenStateDrafter
+from .trees import TreeDrafting
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -165,7 +166,7 @@ class DraftHeads:
                 f"{target.name} has {target.hidden_size} and {target.n_vocab}", param="draft")
 
 
-class HeadsDrafter(HiddenStateDrafter):
+class HeadsDrafter(HiddenStateDrafter, TreeDrafting):
     """Drafts with K heads on the target's final hidden state (Stern et al. 2018; Medusa-1).
 
     The engine hands over the hidden states of each verifying forward of this generation
@@ -176,7 +177,9 @@ class HeadsDrafter(HiddenStateDrafter):
     distribution shaped by the generation's Sampler, returned as the draft probabilities
     [k, V] (zero outside the subset), so the speculative sampling rule stays exact. No
     hidden state there (a prefill the backend gave none for, e.g. a long one on llama.cpp,
-    or none at all when the whole prompt was cached): no draft.
+    or none at all when the whole prompt was cached): no draft. With a tree budget
+    (:class:`.trees.TreeDrafting`), a greedy generation drafts Medusa's tree of each head's
+    top ``tree_width`` tokens instead (:func:`medusa_tree`).
 
     heads: trained :class:`DraftHeads`; target: the backend they were trained for (checked:
     HeadsMismatchError otherwise); it must declare ``supports_hidden_states``.
@@ -219,20 +222,16 @@ class HeadsDrafter(HiddenStateDrafter):
         except ValueError:
             return None
 
-    tree_width = 1  # > 1: greedy drafts are a tree of each head's top candidates (Medusa's tree)
-
     def propose(self, context: Sequence[int], k: int) -> Draft:
         sampler = self._sampler
         assert sampler is not None, "start() must be called before propose()"
-        budget = k
         k = min(k, self.num_heads)
         h = self._row(len(context) - 2) if k > 0 and len(context) >= 2 else None
         if h is None:
             return Draft([])
         logits = self._impl(h, k)  # [k, V] float32, -inf outside the subset
-        if self.tree_width > 1 and sampler.params.greedy and not sampler.params.has_penalties \
-                and sampler.constraint is None:
-            return medusa_tree(logits, self.tree_width, budget, self.target.eog_ids)
+        if self.drafts_tree(sampler):  # Medusa's tree of each head's top candidates
+            return medusa_tree(logits, self.tree_width, self.tree_nodes, self.target.eog_ids)
         history = list(context) if sampler.params.has_penalties else []
         drafts: list[int] = []
         rows: list[np.ndarray] = []

@@ -15,15 +15,19 @@ from ..errors import SpecDecodeError
 from ..sampling import Sampler
 from ..backends.vocab import check_vocab_compatible
 from .base import ContinuationRule, Draft, IncrementalDrafter
+from .trees import TreeDrafting, grow_tree
 
 
-class ModelDrafter(IncrementalDrafter):
+class ModelDrafter(IncrementalDrafter, TreeDrafting):
     """A smaller model on any backend drafts K tokens autoregressively.
 
     Greedy generations draft greedily (probs None); sampled ones draw each draft from the
     draft model's distribution shaped by the same Sampler and return it as probs [K, V].
     The draft's KV cache keeps the tokens it has seen; each proposal rolls it back to the
-    longest prefix shared with the new context and feeds only the rest.
+    longest prefix shared with the new context and feeds only the rest. With ``tree_nodes``
+    (:class:`.trees.TreeDrafting`) a greedy generation on a draft backend that grows trees
+    (``supports_tree_draft``: torch) drafts EAGLE-2's dynamic tree of up to that many nodes
+    and at most K deep (:func:`.trees.grow_tree`), its cells dropped again after drafting.
 
     vocab_subset: when > 0, the draft model computes logits only for token ids below it
     plus the prompt's tokens and the end-of-generation ids (FR-Spec, Zhao et al. 2025:
@@ -126,6 +130,16 @@ class ModelDrafter(IncrementalDrafter):
         if self.target_vocab > self.backend.n_vocab and any(t >= self.backend.n_vocab for t in context[keep:]):
             return Draft([])  # the context holds an id of the target's padding: the draft cannot read it
 
+        if self.drafts_tree(sampler) and self.backend.supports_tree_draft:
+            root = self._over_target_ids(self.backend.forward(context[keep:], logits_for=[len(context) - keep - 1],
+                                                             seq=self.seq)[0])
+            self._cached.extend(context[keep:])
+            rows = lambda ids, pos, vis: self.backend.forward_rows(ids, pos, vis, seq=self.seq)  # noqa: E731
+            try:
+                return grow_tree(rows, len(context), root, k, self.tree_nodes, self.tree_width, self.backend.eog_ids,
+                                 self._over_target_ids)
+            finally:
+                self.backend.rollback(len(context), seq=self.seq)
         if (sampler.params.greedy and not sampler.params.has_penalties and self.keep_drafting is None
                 and sampler.constraint is None and self._greedy_on_device and self.seq == 0):
             # The whole greedy draft on the device (torch): one host sync, not one per token.

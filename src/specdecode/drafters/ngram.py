@@ -12,9 +12,10 @@ from typing import Sequence
 
 from ..errors import SpecDecodeError
 from .base import ContextMemo, Draft, LookupDrafter, Match
+from .trees import TreeDrafting
 
 
-class NgramDrafter(LookupDrafter):
+class NgramDrafter(LookupDrafter, TreeDrafting):
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
     Find earlier occurrences (prompt and generated text) of the last n tokens of the
@@ -23,7 +24,11 @@ class NgramDrafter(LookupDrafter):
     ``max_match`` tokens; ties go to the most recent). A long match means the text is being
     copied, so its continuation is likely right: :meth:`lookup` exposes the match length,
     and the cost-aware controller keeps an acceptance estimate per match length.
-    Drafts are deterministic, so probs is None (one-hot).
+    Drafts are deterministic, so probs is None (one-hot). With a tree budget
+    (:class:`.trees.TreeDrafting`) an ambiguous match of a greedy generation drafts a tree
+    instead: the trie of the ``tree_width`` best occurrences' continuations (longest match,
+    then most recent), each node's probability the share of the occurrences through it, the
+    r-th best weighing 1 / r (so the first path is the chain's draft).
     """
 
     name = "ngram"
@@ -37,6 +42,7 @@ class NgramDrafter(LookupDrafter):
         self.min_ngram = min_ngram
         self.max_match = max_match
         self.last_match_len = 0  # match length behind the latest proposal (0: none)
+        self._sampler = None
         self._memo = ContextMemo(self._lookup)
         self._reset_index(None)
 
@@ -53,6 +59,7 @@ class NgramDrafter(LookupDrafter):
         return NgramDrafter(self.max_ngram, self.min_ngram, self.max_match)
 
     def start(self, prompt_ids: Sequence[int], sampler) -> None:
+        self._sampler = sampler
         self.last_match_len = 0
         self._memo.clear()
         self._reset_index(None)
@@ -106,4 +113,31 @@ class NgramDrafter(LookupDrafter):
         self.last_match_len = match.length
         if match.length == 0:
             return Draft([])
+        if not match.unique and self._sampler is not None and self.drafts_tree(self._sampler):
+            return self._tree(context, k)
         return Draft([int(t) for t in context[match.start : match.start + k]])
+
+    def _tree(self, context: Sequence[int], k: int) -> Draft:
+        """The trie of the continuations (k tokens each) of the best tree_width occurrences of
+        the longest recurring suffix, node probability = weight of the occurrences through it
+        / their total weight (the r-th best weighs 1 / r)."""
+        L = len(context)
+        n = next(n for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1)
+                 if self._index[n].get(tuple(context[L - n:])))
+        ends = self._index[n][tuple(context[L - n:])]
+        def length(e: int) -> int:  # noqa: E306
+            m, i, j = n, e - n, L - 1 - n
+            while m < self.max_match and i >= 0 and context[i] == context[j]:
+                m, i, j = m + 1, i - 1, j - 1
+            return m
+        best = sorted(ends, key=lambda e: (length(e), e), reverse=True)[:self.tree_width]
+        weights = [1.0 / (r + 1) for r in range(len(best))]  # the best occurrence outweighs the rest together
+        nodes: dict[tuple, list] = {}  # path -> [weight, parent path]
+        for e, w in zip(best, weights):
+            cont = tuple(int(t) for t in context[e + 1:e + 1 + k])
+            for d in range(1, len(cont) + 1):
+                nodes.setdefault(cont[:d], [0.0, cont[:d - 1]])[0] += w
+        order = sorted(nodes, key=lambda path: (-nodes[path][0], len(path)))[:self.tree_nodes]
+        index = {path: i for i, path in enumerate(order)}
+        return Draft([path[-1] for path in order], None, [index.get(nodes[path][1], -1) for path in order],
+                     [nodes[path][0] / sum(weights) for path in order])

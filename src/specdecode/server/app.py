@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from .config import ServerOptions
 from .metrics import Metrics
+from .page import UI_FILES, cost_view, info_view, ui_file
 from .protocol import APIError, json_repr, parse_json_body, parse_request
 from .responses import full_response, stream
 from .worker import Job, Worker
@@ -42,8 +43,9 @@ def error_response(e: APIError) -> JSONResponse:
         return JSONResponse({"error": error}, status_code=e.status, headers=headers)
 
 
-# Paths served without the API key: liveness and monitoring, no generated text.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths served without the API key: liveness and monitoring, and the page's files (the page
+# asks for the key itself): no generated text.
+OPEN_PATHS = frozenset({"/health", "/metrics", *UI_FILES})
 
 
 class _APIKeyGuard:
@@ -221,6 +223,7 @@ class _Routes:
 
     def __init__(self, app: FastAPI, decoder: Any, options: ServerOptions, worker: Worker) -> None:
         self.app = app
+        self.decoder = decoder
         self.options = options
         self.model_name: str = options.model_name
         self.worker = worker
@@ -236,6 +239,28 @@ class _Routes:
         app.add_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
         app.add_route("/health", self.health, methods=["GET"])
         app.add_route("/metrics", self.prometheus_metrics, methods=["GET"])
+        app.add_route("/v1/specdecode/info", self.info, methods=["GET"])
+        app.add_route("/v1/specdecode/costs", self.costs, methods=["GET"])
+        if self.options.ui:
+            for path in UI_FILES:
+                app.add_route(path, self.page, methods=["GET"])
+
+    async def page(self, request: Request) -> Response:
+        """A file of the page (:mod:`.page`)."""
+        from fastapi.responses import Response
+
+        content, media = ui_file(request.url.path)
+        return Response(content, media_type=media, headers={"Cache-Control": "no-cache"})
+
+    async def info(self, request: Request) -> Response:
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(info_view(self.decoder, self.model_name))
+
+    async def costs(self, request: Request) -> Response:
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(cost_view(self.decoder, self.model_name))
 
     def speculation(self, result: Any, req: Any = None) -> dict:
         """A choice's statistics, with the draft and K it ran with (the request's own, from
@@ -244,8 +269,9 @@ class _Routes:
         opts = getattr(req, "options", None)
         if opts is not None and opts.draft is not None:
             info["draft"] = opts.draft
-        if opts is not None and opts.num_speculative_tokens is not None:
-            info["num_speculative_tokens"] = opts.num_speculative_tokens
+        for name in ("num_speculative_tokens", "max_tree_nodes"):
+            if opts is not None and getattr(opts, name) is not None:
+                info[name] = getattr(opts, name)
         return {**result.stats.to_dict(), **info}
 
     async def completions(self, request: Request) -> Response:

@@ -63,6 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}, "
               f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{options.host}:{options.port}/v1",
               flush=True)
+        if options.ui:
+            print(f"specdecode: the page: http://{options.host}:{options.port}/", flush=True)
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info")
         worker = app.state.worker
         _server_class()(config, on_exit=lambda: worker.stop(timeout=0)).run()
@@ -141,6 +143,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         f"environment variable keeps the key out of the process list")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body read, in bytes; a larger one gets 413 (default: %(default)s = 4 MiB)")
+    s.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the page at / (a chat that shows which tokens the drafts gave, the speed "
+                        "against plain decoding and the cost curve)")
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N replicas of this server as a Ray Serve deployment behind Ray's HTTP proxy on "
                         "--host/--port (needs pip install -e '.[ray]'; each replica loads the models and runs "

@@ -79,6 +79,7 @@ class ServerOptions:
     autoscaling: Ray Serve's autoscaling_config (implies Ray; replaces replicas).
     num_cpus: CPUs each Ray replica reserves (None: its llama.cpp threads).
     metrics_port: with Ray, each replica also serves its /metrics on metrics_port + rank.
+    ui: serve the page at ``/`` (:mod:`specdecode.server.ui`); ``serve --no-ui`` turns it off.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -94,6 +95,7 @@ class ServerOptions:
     autoscaling: dict | None = None
     num_cpus: float | None = None
     metrics_port: int | None = None
+    ui: bool = True
 
     def __post_init__(self) -> None:
         for name in ("model_name", "host"):
@@ -109,8 +111,9 @@ class ServerOptions:
         _check_int("max_body_bytes", self.max_body_bytes, 1)
         _check_int("replicas", self.replicas, 1, optional=True)
         _check_int("metrics_port", self.metrics_port, 1, 65535, optional=True)
-        if not isinstance(self.warmup, bool):
-            raise _OptionError("warmup", self.warmup, "True or False", problem="is not valid")
+        for name in ("warmup", "ui"):
+            if not isinstance(getattr(self, name), bool):
+                raise _OptionError(name, getattr(self, name), "True or False", problem="is not valid")
         if self.autoscaling is not None and not isinstance(self.autoscaling, dict):
             raise _OptionError("autoscaling", self.autoscaling, "a JSON object (Ray Serve's autoscaling_config)",
                                problem="is not valid")
@@ -133,7 +136,7 @@ class ServerOptions:
         try:
             return cls(model_name=args.target, host=args.host, port=args.port, max_queue=args.max_queue,
                        max_body_bytes=args.max_body_bytes, api_key=api_key, warmup=True, replicas=args.replicas,
-                       autoscaling=autoscaling, metrics_port=args.metrics_port)
+                       autoscaling=autoscaling, metrics_port=args.metrics_port, ui=args.ui)
         except _OptionError as e:
             raise e.as_flag() from None
 

@@ -7,7 +7,10 @@ The text is tokenized once with the target's tokenizer when the request runs; dr
 (:mod:`specdecode.drafters.prediction`), and the output stays the target's.
 
 ``speculative``: ``{"draft": "auto" | "none" | "ngram" | "suffix" | "prediction" | <a loaded
-draft model's name>, "num_speculative_tokens": int 0..32 | "auto"}``, both optional. It may
+draft model's name>, "num_speculative_tokens": int 0..32 | "auto", "max_tree_nodes": int 0..64,
+"trace": bool}``, each optional (``max_tree_nodes``: the nodes a tree of drafts may hold, 0 =
+chains; trees on a target loaded for chains only are a 400 naming ``speculative.max_tree_nodes``;
+``trace``: each streamed chunk also carries ``speculation_trace``, see :func:`trace_of`). It may
 only choose among what the server loaded: a drafter that is not loaded is a 400 naming
 ``speculative.draft`` when the request runs. ``"auto"`` (or absent) lets the cost-aware
 controller plan; an integer K with one drafter named drafts K tokens every step; with
@@ -21,12 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import SpecDecodeError
-from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS, MAX_TREE_NODES, is_int
 from ..messages import json_repr
 
 # An option the engine names (SpecDecodeError.param) -> the request field that set it.
 FIELD_OF_OPTION = {"draft": "speculative.draft", "num_speculative_tokens": "speculative.num_speculative_tokens",
-                   "prediction": "prediction"}
+                   "prediction": "prediction", "max_tree_nodes": "speculative.max_tree_nodes"}
+SPECULATIVE_FIELDS = ("draft", "num_speculative_tokens", "max_tree_nodes", "trace")
 
 
 def _error(message: str, param: str) -> SpecDecodeError:
@@ -57,15 +61,15 @@ def parse_prediction(value: Any) -> str | None:
 
 def parse_speculative(value: Any) -> dict:
     """The GenerationOptions fields a ``speculative`` object sets (draft,
-    num_speculative_tokens). Raises SpecDecodeError (param: the field) for a wrong shape, an
-    unknown key or an out-of-range K."""
+    num_speculative_tokens, max_tree_nodes). Raises SpecDecodeError (param: the field) for a
+    wrong shape, an unknown key or an out-of-range K or node budget."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise _error(f"speculative must be an object, got {json_repr(value)}", "speculative")
-    unknown = sorted(set(value) - {"draft", "num_speculative_tokens"})
+    unknown = sorted(set(value) - set(SPECULATIVE_FIELDS))
     if unknown:
-        raise _error(f"speculative.{unknown[0]} is not a field: speculative takes draft and num_speculative_tokens",
+        raise _error(f"speculative.{unknown[0]} is not a field: speculative takes {', '.join(SPECULATIVE_FIELDS)}",
                      f"speculative.{unknown[0]}")
     out: dict = {}
     draft = value.get("draft")
@@ -81,7 +85,32 @@ def parse_speculative(value: Any) -> dict:
         out["num_speculative_tokens"] = k
         if k == 0 and "draft" not in out:  # a named draft is still checked against what is loaded
             out["draft"] = "none"
+    nodes = value.get("max_tree_nodes")
+    if nodes is not None:
+        if not is_int(nodes) or not 0 <= nodes <= MAX_TREE_NODES:
+            raise _error(f"speculative.max_tree_nodes = {json_repr(nodes)} is out of range: expected an integer "
+                         f"0..{MAX_TREE_NODES} (0: chains only)", "speculative.max_tree_nodes")
+        out["max_tree_nodes"] = nodes
     return out
+
+
+def wants_trace(value: Any) -> bool:
+    """Whether a ``speculative`` object asks for ``speculation_trace`` in the stream's chunks.
+    Raises SpecDecodeError (param speculative.trace) for a value that is not a boolean."""
+    trace = value.get("trace", False) if isinstance(value, dict) else False
+    if not isinstance(trace, bool):
+        raise _error(f"speculative.trace must be true or false, got {json_repr(trace)}", "speculative.trace")
+    return trace
+
+
+def trace_of(delta: Any, note: str | None) -> dict:
+    """A streamed chunk's ``speculation_trace`` (requests with ``speculative.trace``): its text
+    as ``runs`` [{"text", "by"}] (by: the drafter whose accepted draft gave those characters,
+    null for the target's own tokens; the texts concatenate to the chunk's content), the
+    ``step`` it came from ({"k": drafted, "accepted", "committed", "by"}, null for the text
+    held back until the end) and the controller's ``note`` on the generation so far."""
+    return {"runs": delta.runs or ([{"text": str(delta), "by": None}] if str(delta) else []), "step": delta.step,
+            "note": note}
 
 
 def completion_details(results: list) -> dict | None:

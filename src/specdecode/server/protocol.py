@@ -19,7 +19,7 @@ from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
 from ..request import GenerationOptions
 from ..sampling import SamplingParams
-from .extensions import parse_prediction, parse_speculative
+from .extensions import parse_prediction, parse_speculative, wants_trace
 from .apierror import APIError, from_specdecode_error
 from .body import MAX_JSON_DEPTH, parse_json_body
 from .toolcalls import ToolCallFormat
@@ -77,6 +77,7 @@ class GenRequest:
     n: int = 1
     prediction: str | None = None
     tools: ToolRequest | None = None
+    trace: bool = False  # speculative.trace: streamed chunks carry speculation_trace (:func:`.extensions.trace_of`)
 
     @property
     def logprobs(self) -> int | None:
@@ -240,13 +241,13 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
         grammar = tools.grammar()
     b.string("user")
     try:
-        prediction = parse_prediction(body.get("prediction"))
+        prediction, trace = parse_prediction(body.get("prediction")), wants_trace(body.get("speculative"))
         options = GenerationOptions(sampling=sampling, stop=stop, logprobs=logprobs, grammar=grammar,
                                     **parse_speculative(body.get("speculative")))
     except SpecDecodeError as e:
         raise from_specdecode_error(e) from None
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,
-                      stream=stream, include_usage=include_usage, n=n, tools=tools, prediction=prediction)
+                      stream=stream, include_usage=include_usage, n=n, tools=tools, prediction=prediction, trace=trace)
 
 
 def _check_model(b: _Body, model_name: str) -> None:

@@ -153,7 +153,10 @@ async def stream(kind: str, model_name: str, req: GenRequest, job: Job, first: t
         for c in choices.open(index):
             yield sse(c)
         if kind_ == "delta":
-            for c in choices.text(index, value[1], value[2]):
+            chunks = choices.text(index, value[1], value[2])
+            if chunks and value[3] is not None:  # speculative.trace: where this text came from
+                chunks[0]["speculation_trace"] = value[3]
+            for c in chunks:
                 yield sse(c)
         else:
             _, result, logprobs = value

@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 
 from ..errors import SpecDecodeError
 from .config import ServerOptions
-from .extensions import FIELD_OF_OPTION
+from .extensions import FIELD_OF_OPTION, trace_of
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, from_specdecode_error, resolve_max_tokens
 from .toolcalls import tool_call_format
@@ -33,7 +33,8 @@ class Job:
 
     arrival: time.perf_counter() seconds when the request arrived. events: what the
     worker posts, as (kind, value), choice after choice (index 0..n-1): while streaming
-    ("delta", (index, text, logprobs object of the tokens the text completes, or None));
+    ("delta", (index, text, logprobs object of the tokens the text completes or None,
+    speculation_trace or None));
     at the end of each choice ("choice", (index, GenerationResult, logprobs object or
     None: a stream has sent them all with its deltas)); or, at any point, ("error",
     APIError), after which nothing follows. cancelled: set when the client is gone or
@@ -256,6 +257,7 @@ class Worker:
         if r.prediction:
             options = replace(options, prediction=r.prediction)
         r.gen = self.decoder.begin(prompt_ids=r.ids, options=options)
+        r.gen.out.trace = r.job.req.trace and r.job.req.stream  # deltas say where their text came from
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
         self._release(r)
@@ -283,7 +285,11 @@ class Worker:
         if r.job.req.stream and (delta or delta.token_ids):
             # The logprobs of the tokens this delta completes (a TextDelta's).
             lp = r.logprobs.format(delta.logprobs or []) if r.logprobs is not None else None
-            r.job.post("delta", (r.index, str(delta), lp))
+            trace = None
+            if r.job.req.trace:
+                explain = getattr(r.gen.drafter if r.gen is not None else None, "explain", None)
+                trace = trace_of(delta, explain() if callable(explain) else None)
+            r.job.post("delta", (r.index, str(delta), lp, trace))
 
     def _finish_choice(self, r: _Running) -> None:
         """The current choice is done: post its tail and result, then begin the next choice
