@@ -379,3 +379,19 @@ def test_a_new_text_is_not_silenced_by_failures_in_earlier_ones():
 
     assert sum(k > 0 for k in run(True)[:60]) >= 20
     assert sum(k > 0 for k in run(False)[:60]) <= 4
+
+
+def test_observed_costs_never_exceed_n_one_token_steps():
+    """Samples taken under load can make a verification look dearer than n plain steps; the
+    curve planned with (and written back to the cache) is capped there, so that a loaded
+    moment cannot stop even nearly certain drafts (a prediction) for good."""
+    from specdecode.control.costmodel import CostCurve, ObservedCurve
+
+    base = CostCurve((1, 2, 9), (0.01, 0.012, 0.02))
+    live = ObservedCurve(base)
+    for _ in range(9):
+        live.observe(1, 0.01)
+        live.observe(2, 0.027)  # 2.7 T(1)
+        live.observe(9, 0.12)   # 12 T(1)
+    v = live.live_curve().seconds
+    assert v[0] == pytest.approx(0.01) and v[1] == pytest.approx(0.02) and v[2] == pytest.approx(0.09)

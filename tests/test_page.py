@@ -29,6 +29,23 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _keep_the_cost_cache():
+    """These tests generate beside a browser, whose CPU use the controller would take for the
+    machine's speed and write into the shared cost cache (a live rewrite), slowing the tests
+    after them; the cache is put back as it was."""
+    from specdecode.assembly import registry
+
+    costs = registry.cache_dir() / "costs"
+    before = {p: p.read_bytes() for p in costs.glob("*.json")} if costs.is_dir() else {}
+    yield
+    for p in costs.glob("*.json") if costs.is_dir() else ():
+        if p not in before:
+            p.unlink()
+    for p, data in before.items():
+        p.write_bytes(data)
+
+
 @pytest.fixture(scope="module")
 def decoder():
     """Prompt lookup at a fixed K: on these CPUs the controller drafts little for smollm2 (its

@@ -87,7 +87,7 @@ def test_a_request_may_turn_trees_off_or_size_them(models_, tokenizer):  # noqa:
     assert small.tree_steps > 0 and small.tree_nodes <= 2 * small.tree_steps
 
 
-def test_the_budget_defaults_to_trees_under_the_controller_and_chains_at_a_fixed_k(models_, tokenizer):  # noqa: F811
+def test_the_budget_defaults_to_chains_and_follows_the_request_then_the_engine(models_, tokenizer):  # noqa: F811
     target, d = _pair(models_, tokenizer)
     drafter = ModelDrafter(d, target)
     assert tree_budget(drafter, None, None, target) == 0 and drafter.tree_nodes == 0
@@ -96,7 +96,8 @@ def test_the_budget_defaults_to_trees_under_the_controller_and_chains_at_a_fixed
     assert tree_budget(drafter, 0, 7, target) == 0  # the request's 0 wins
     flat = CostCurve(tuple(range(1, 34)), (0.05,) * 33)
     c = SpeculationController([Source(drafter, 0.0)], flat, kmax=8)
-    assert tree_budget(c, None, None, target) == DEFAULT_TREE_NODES and drafter.tree_nodes == DEFAULT_TREE_NODES
+    assert tree_budget(c, None, None, target) == 0 and drafter.tree_nodes == 0  # chains unless trees are allowed
+    assert tree_budget(c, None, DEFAULT_TREE_NODES, target) == DEFAULT_TREE_NODES == drafter.tree_nodes
 
 
 class ChainsOnly:
@@ -160,6 +161,10 @@ def test_the_cli_refuses_an_out_of_range_budget_before_loading(capsys):
     assert main(["generate", "--max-tree-nodes", "65", "--prompt", "hi"]) != 0
     err = capsys.readouterr().err
     assert "--max-tree-nodes 65 is out of range" in err and "Traceback" not in err
+    from specdecode.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "--max-tree-nodes"]).max_tree_nodes == DEFAULT_TREE_NODES
+    assert build_parser().parse_args(["generate"]).max_tree_nodes is None
 
 
 def test_an_ambiguous_ngram_match_drafts_the_trie_of_its_continuations():

@@ -54,9 +54,9 @@ class Decoder:
         :meth:`stream` runs one (1..MAX_PARALLEL; the torch backend serves 1).
     max_tree_nodes: nodes a tree of drafts may hold (SpecInfer, Medusa, EAGLE-2: candidates
         verified in one forward with a tree mask; 0..MAX_TREE_NODES, 0 = chains only). None
-        (default): under the cost-aware controller, trees of up to DEFAULT_TREE_NODES on a
-        target that verifies them (torch), each cut to the prefix that pays under the measured
-        T(n); chains on llama.cpp, whose trees need branch sequences, loaded only for N > 0.
+        (default) and 0 draft chains (on the development CPUs trees measured no faster); with
+        N > 0, under the cost-aware controller each tree is cut to the prefix that pays under
+        the measured T(n); llama.cpp's trees need branch sequences, loaded only for N > 0.
         A request's own max_tree_nodes overrides it. tree_width: candidates per tree node.
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock

@@ -14,9 +14,10 @@ from .errors import SpecDecodeError
 MAX_NUM_SPECULATIVE_TOKENS = 32
 MAX_TREE_WIDTH = 8  # candidates per node of a tree of drafts (--tree-width)
 DEFAULT_TREE_WIDTH = 3
-# --max-tree-nodes: the nodes a tree of drafts may hold (0: chains only). The default
-# (None) lets the cost-aware controller draw trees of up to DEFAULT_TREE_NODES where the
-# target verifies trees, cut to the prefix that pays under the measured T(n).
+# --max-tree-nodes: the nodes a tree of drafts may hold (0: chains only; the default, because
+# on the development CPUs trees measured no faster than chains: README, Trees of candidates).
+# The flag alone allows DEFAULT_TREE_NODES; under -k auto the controller then cuts each tree
+# to the prefix that pays under the measured T(n).
 MAX_TREE_NODES = 64
 DEFAULT_TREE_NODES = 16
 # The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step.

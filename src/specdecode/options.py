@@ -88,12 +88,12 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
     """--max-tree-nodes N and --tree-width W: trees of drafts (generate, serve, bench)."""
-    p.add_argument("--max-tree-nodes", type=int, default=None, metavar="N",
-                   help=f"nodes a tree of drafts may hold: draft heads and a draft model on the torch backend "
-                        f"draft several candidates per position, verified in one forward with a tree mask "
-                        f"(0..{MAX_TREE_NODES}; 0 = chains only; default: under -k auto, trees of up to "
-                        f"{DEFAULT_TREE_NODES} nodes where the target verifies them (torch), cut to what pays "
-                        f"under the measured cost; chains on llama.cpp, where N > 0 loads branch sequences)")
+    p.add_argument("--max-tree-nodes", type=int, nargs="?", const=DEFAULT_TREE_NODES, default=None, metavar="N",
+                   help=f"allow trees of drafts of up to N nodes (the flag alone: {DEFAULT_TREE_NODES}): draft heads, a "
+                        f"draft model on the torch backend and prompt lookup draft several candidates per position, "
+                        f"verified in one forward with a tree mask; under -k auto the controller cuts each tree to "
+                        f"what pays under the measured cost (0..{MAX_TREE_NODES}; default 0, chains: on the "
+                        f"development CPUs trees measured no faster; on llama.cpp N > 0 loads branch sequences)")
     p.add_argument("--tree-width", type=int, default=DEFAULT_TREE_WIDTH, metavar="W",
                    help="candidates per node of a tree of drafts (each head's, or the draft model's, top W; "
                         "default: %(default)s)")

@@ -191,6 +191,8 @@ class ObservedCurve:
                     hi = min(hi, self.PER_TOKEN * min(vs[i] / ns[i] for i in range(j)) * ns[j])
                 vs[j] = min(max(vs[j], lo), max(hi, lo))
             v = np.asarray(vs)
+        if self._ns[0] == 1:  # a forward of n tokens costs at most n one-token steps: slower samples are load
+            v = np.minimum(v, self._ns * v[0])
         self._values = v
         return v
 

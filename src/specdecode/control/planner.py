@@ -21,7 +21,6 @@ import numpy as np
 from ..drafters.base import Drafter, DrafterBase
 from ..drafters.trees import set_tree_options
 from ..errors import SpecDecodeError
-from ..limits import DEFAULT_TREE_NODES
 from .costmodel import allocate_drafts
 
 
@@ -145,9 +144,9 @@ def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, predi
 
 def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target) -> int:
     """The node budget of one generation's trees of drafts, set on its drafter (and the
-    controller's sources): the request's max_tree_nodes, else the engine's, else
-    DEFAULT_TREE_NODES under the cost-aware controller (which cuts each tree to the prefix
-    that pays) and chains for a drafter at a fixed K; 0 where the target verifies no trees.
+    controller's sources): the request's max_tree_nodes, else the engine's, else 0 (chains:
+    on the development CPUs trees measured no faster, :data:`specdecode.limits.DEFAULT_TREE_NODES`);
+    under the cost-aware controller each tree is then cut to the prefix that pays.
     Raises SpecDecodeError (param max_tree_nodes) when trees are asked of such a target."""
     nodes = requested if requested is not None else default
     verifies = getattr(target, "supports_tree", False)
@@ -155,8 +154,7 @@ def tree_budget(drafter: Drafter, requested: int | None, default: int | None, ta
         raise SpecDecodeError(f"max_tree_nodes = {nodes}: {target.name} was loaded to verify chains only; load it "
                               f"with trees (Decoder(max_tree_nodes=N), --max-tree-nodes N) or ask for 0",
                               param="max_tree_nodes")
-    if nodes is None:
-        nodes = DEFAULT_TREE_NODES if isinstance(drafter, PlannedDrafter) and verifies else 0
+    nodes = nodes or 0
     set_tree_options(drafter, nodes)
     return nodes
 
