@@ -311,10 +311,10 @@ class SpeculativeEngine:
         (each path would need its own history); else its first path is the chain."""
         draft = gen.drafter.propose(gen.committed, k) if k > 0 else Draft([])
         if draft.parents is not None:
-            p = gen.sampler.params
-            n = min(tree_prefix_within(draft.parents, self.target.max_tree_leaves), gen.tree_nodes, gen.room)
-            if (tree_ok and self.target.supports_tree and gen.sampler.constraint is None and not p.has_penalties
-                    and not gen.invariant and n > 0):
+            n = (tree_ok and self.target.supports_tree and gen.sampler.constraint is None and not gen.invariant
+                 and not gen.sampler.params.has_penalties
+                 and min(tree_prefix_within(draft.parents, self.target.max_tree_leaves), gen.tree_nodes, gen.room))
+            if n and n > 0:  # the most leading nodes the target verifies as one tree
                 return list(draft.token_ids[:n]), None, list(draft.parents[:n])
             draft = draft.chain()
         draft_ids = draft.token_ids[:k]

@@ -162,8 +162,7 @@ def tree_budget(drafter: Drafter, requested: int | None, default: int | None, ta
 def draft_source(drafter: Drafter) -> str | None:
     """The name of the drafter whose proposal the last step verified: a controller's chosen
     source (``last_source``; None when it drafted nothing), else the drafter's own name."""
-    last = getattr(drafter, "last_source", None)
-    return last if last is not None or hasattr(drafter, "last_source") else drafter.name
+    return drafter.last_source if hasattr(drafter, "last_source") else drafter.name
 
 
 def prediction_counts(drafter: Drafter) -> tuple[int, int] | None:
