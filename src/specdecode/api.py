@@ -17,7 +17,10 @@ import inspect
 import threading
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from .assembly import registry
+from .backends.base import Backend
 from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine, drive
@@ -35,11 +38,15 @@ from .request import GenerationOptions
 class Decoder:
     """A target and a drafter loaded once, for many generations.
 
-    target: registry name or .gguf path (default qwen2.5-coder-1.5b-instruct).
+    target: registry name or .gguf path (default qwen2.5-coder-1.5b-instruct), or a loaded
+        Backend: e.g. your own PyTorch model over codes, :class:`specdecode.ModuleBackend`
+        (then backend, dtype, device and n_ctx, which load models by name, do not apply;
+        generate with :meth:`generate_ids`).
     draft: "auto" (default: lookups in the text when they match, and the registry's default
         draft model when it shares the target's tokenizer and pays, else plain decoding),
         "ngram" (prompt lookup), "suffix" (lookup in this and earlier requests), "none"
-        (plain decoding), or a draft model (registry name, .gguf path, Hugging Face folder).
+        (plain decoding), or a draft model (registry name, .gguf path, Hugging Face folder,
+        or a loaded Backend such as a ModuleBackend over the target's codebook).
     num_speculative_tokens: K, drafted tokens per step (0..MAX_NUM_SPECULATIVE_TOKENS), or
         "auto" (default): the cost-aware controller chooses K in 0..AUTO_KMAX each step
         (:mod:`specdecode.control.controller`; both limits in :mod:`specdecode.limits`). With
@@ -73,8 +80,8 @@ class Decoder:
 
     def __init__(
         self,
-        target: str = registry.DEFAULT_TARGET,
-        draft: str = "auto",
+        target: str | Backend = registry.DEFAULT_TARGET,
+        draft: str | Backend = "auto",
         num_speculative_tokens: int | str = "auto",
         n_ctx: int = DEFAULT_N_CTX,
         n_threads: int | None = None,
@@ -98,8 +105,14 @@ class Decoder:
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         check_tree_width(tree_width)  # before anything loads
         check_max_tree_nodes(max_tree_nodes)
-        self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
-                                   device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes))
+        if isinstance(target, Backend):
+            if parallel > target.n_seq:
+                raise SpecDecodeError(f"target {target.name} holds {target.n_seq} sequence(s): parallel = {parallel} "
+                                      f"needs as many", param="parallel")
+            self.target = target
+        else:
+            self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
+                                       device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes))
         try:
             opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
                         device=device, draft_vocab=draft_vocab, n_seq=parallel)
@@ -276,7 +289,42 @@ class Decoder:
             self._check_open()
             return self.target.tokenize(check_text(prediction, "prediction"), add_special=False, parse_special=False)
 
+    def generate_ids(self, prompt_ids: Sequence[int], **options) -> GenerationResult:
+        """Token ids in, token ids out: generate from prompt_ids [L >= 1] (for a model over
+        codes, :class:`specdecode.ModuleBackend`, the codes it starts from, e.g. a class
+        code); options as :meth:`stream` (max_tokens, sampling fields and seed, logprobs,
+        num_speculative_tokens, draft, prediction as ids, ...). Returns the GenerationResult:
+        ``token_ids`` the generated ids (end id excluded), ``stats`` the speculation's
+        statistics. For a target without text, text-only options (stop strings, a grammar, a
+        prediction as text) raise SpecDecodeError naming the option."""
+        if isinstance(prompt_ids, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                          for t in prompt_ids):
+            raise SpecDecodeError("prompt_ids must be a sequence of integer token ids", param="prompt_ids")
+        if not len(prompt_ids):
+            raise SpecDecodeError("prompt_ids is empty: a generation starts from at least one id (a start or "
+                                  "class code)", param="prompt_ids")
+        return self.generate(prompt_ids=[int(t) for t in prompt_ids], **options)
+
+    def _check_codes(self, prompt, messages, fields: dict) -> None:
+        """A target without text takes ids only: refuse each text-only option by name."""
+        if self.target.has_text:
+            return
+        given = {"prompt": prompt is not None, "messages": messages is not None,
+                 "stop": bool(fields.get("stop")), "grammar": fields.get("grammar") is not None,
+                 "prediction": isinstance(fields.get("prediction"), (str, list)) and
+                 not all(isinstance(t, int) for t in fields["prediction"])}
+        opts = fields.get("options")
+        if isinstance(opts, GenerationOptions):
+            given["stop"] = given["stop"] or bool(opts.stop)
+            given["grammar"] = given["grammar"] or opts.grammar is not None
+        for name, is_given in given.items():
+            if is_given:
+                raise SpecDecodeError(f"{name} is a text option, and target {self.target.name} is a model over codes "
+                                      f"(no tokenizer): give token ids (generate_ids, prompt_ids=) and leave {name} out",
+                                      param=name)
+
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
+        self._check_codes(prompt, messages, {**fields, "options": options})
         pred = fields.get("prediction")
         if isinstance(pred, str) or isinstance(pred, list) and not all(isinstance(t, int) for t in pred):
             fields = {**fields, "prediction": tuple(self.prediction_ids(pred)) or None}  # text: tokenized here

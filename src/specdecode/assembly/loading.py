@@ -75,12 +75,12 @@ def _known(backend: Backend) -> Backend:
     return backend
 
 
-def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                  device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_seq: int = 1) -> Drafter:
     """The drafter that ``draft`` names (a row of :data:`specdecode.drafters.kinds.KINDS`:
     'none', 'ngram', 'suffix', 'heads:FILE', or a draft model: registry name, .gguf path or
-    HF folder on any backend, checked against the target's vocabulary). draft_vocab: see
+    HF folder on any backend, or a loaded Backend, checked against the target's vocabulary). draft_vocab: see
     ModelDrafter's vocab_subset (torch drafts; 0 = the full vocabulary). n_seq: KV sequences
     of a draft model, one per concurrent generation (its forks draft on them).
 
@@ -92,10 +92,11 @@ def make_drafter(draft: str, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_thre
                                       dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
 
 
-def _build(draft: str, target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
+def _build(draft: "str | Backend", target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
     """The drafter of ``draft``'s kind; load_opts: :func:`load_backend`'s keywords for a draft model."""
     kind, arg = kind_of(draft)
-    return kind.build(DraftRequest(target, arg, lambda name: load_backend(name, **load_opts), draft_vocab))
+    return kind.build(DraftRequest(target, arg, lambda name: name if isinstance(name, Backend) else
+                                   load_backend(name, **load_opts), draft_vocab))
 
 
 def default_draft_serves(target: Backend) -> bool:
@@ -106,7 +107,7 @@ def default_draft_serves(target: Backend) -> bool:
     return fingerprint_serves(target, registry.get_spec(registry.DEFAULT_DRAFT).vocab_fingerprint)
 
 
-def make_controller(draft: str, target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,
+def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,
                     n_threads: int | None = None, progress: bool = True, backend: str = "auto",
                     dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0,
                     n_seq: int = 1) -> Drafter:
@@ -164,5 +165,6 @@ def _source(drafter: Drafter, cost_s: float | None) -> Source:
     if cost_s is not None:
         return Source(drafter, cost_s)
     (model,) = drafter.draft_backends()
-    draft_curve = cached_forward_curve(model, [1, 64], registry.cache_dir())
-    return Source(drafter, draft_curve(1), prefill_cost=draft_curve(64) / 64)
+    n = max(1, min(64, model.n_ctx - 1))  # a model over a few dozen codes has a short context
+    draft_curve = cached_forward_curve(model, sorted({1, n}), registry.cache_dir())
+    return Source(drafter, draft_curve(1), prefill_cost=draft_curve(n) / n)

@@ -88,6 +88,7 @@ class Backend(Protocol):
     supports_tree: bool  # forward_tree() / keep_tree_rows() verify a tree of drafts in one forward
     max_tree_leaves: int  # the most leaves (branches) a tree forward_tree() verifies may have
     supports_tree_draft: bool  # forward_rows(): rows under an explicit mask (a draft model grows a tree)
+    has_text: bool  # a tokenizer and text (False: a model over codes, ModuleBackend)
     # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
     invariant_block: int | None
 
@@ -199,6 +200,7 @@ class BackendBase:
     supports_tree = False
     max_tree_leaves = 1 << 30
     supports_tree_draft = False
+    has_text = True
     invariant_block: int | None = None
     chat_template: str | None = None  # a backend whose model has one overrides this
     _n_vocab: int

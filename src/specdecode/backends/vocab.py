@@ -123,6 +123,9 @@ def check_vocab_compatible(draft: Backend, target: Backend, show: int = 5) -> No
     (the first differing shared ids, or the first extra ids that are not padding).
     """
     nd, nt = draft.n_vocab, target.n_vocab
+    if not (getattr(draft, "has_text", True) and getattr(target, "has_text", True)):
+        _check_codebooks(draft, target)
+        return
     sizes = f"draft vocabulary {nd} != target vocabulary {nt} (draft {draft.name}, target {target.name})"
     if abs(nd - nt) > MAX_VOCAB_SIZE_DIFFERENCE:
         raise IncompatibleVocabularyError(
@@ -157,3 +160,16 @@ def check_vocab_compatible(draft: Backend, target: Backend, show: int = 5) -> No
             f"occur in a text), but some are tokens of their own: {shown}: the draft model must share "
             f"the target's tokenizer"
         )
+
+
+def _check_codebooks(draft: Backend, target: Backend) -> None:
+    """Models over codes (no text, :class:`specdecode.backends.module.ModuleBackend`): the
+    draft must have the target's codebook, by name and size (codes carry no text to compare,
+    and no padding)."""
+    names = [getattr(b, "codebook", "text") if not getattr(b, "has_text", True) else "a text vocabulary"
+             for b in (draft, target)]
+    if names[0] != names[1] or draft.n_vocab != target.n_vocab:
+        raise IncompatibleVocabularyError(
+            f"draft {draft.name} (codebook {names[0]!r}, {draft.n_vocab} codes) cannot draft for target "
+            f"{target.name} (codebook {names[1]!r}, {target.n_vocab} codes): a draft model needs the target's "
+            f"codebook, the same name and size")

@@ -231,7 +231,7 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
     ns = [n for n in ns if min(n, block) <= backend.n_ctx - 1 - context] or [1]
     vocab = backend.n_vocab
     rng = np.random.default_rng(0)
-    base = [int(t) for t in rng.integers(100, min(vocab, 30000), size=context)]
+    base = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=context)]
     used = min(backend.n_seq, -(-max(ns) // block))
     clock = _CpuClock().start()
     for seq in range(used):
@@ -239,7 +239,7 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
         backend.forward(base, logits_for=[], seq=seq)
     shapes = {}
     for n in ns:
-        toks = [int(t) for t in rng.integers(100, min(vocab, 30000), size=n)]
+        toks = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=n)]
         if n <= block or used == 1:
             shapes[n] = [SeqForward(0, toks, range(n))]
         else:

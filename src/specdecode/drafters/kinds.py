@@ -39,14 +39,16 @@ class DraftRequest:
     """What building a drafter may use.
 
     target: the loaded target. arg: what follows ``KIND:`` in the name (``heads:FILE`` ->
-    FILE), or the whole name for a draft model. load_model(name): loads a draft model on
-    the draft backend with the decoder's context, threads, dtype, device and sequences.
+    FILE), or the whole name for a draft model (or a loaded draft Backend itself, e.g. a
+    :class:`specdecode.backends.module.ModuleBackend`). load_model(name): loads a draft model
+    on the draft backend with the decoder's context, threads, dtype, device and sequences
+    (a Backend given as arg is returned as it is).
     draft_vocab: a torch draft model's output subset (0 = all).
     """
 
     target: "Backend"
-    arg: str
-    load_model: Callable[[str], "Backend"]
+    arg: "str | Backend"
+    load_model: Callable[["str | Backend"], "Backend"]
     draft_vocab: int = 0
 
 
@@ -99,10 +101,15 @@ KINDS: tuple[DrafterKind, ...] = (
 )
 
 
-def kind_of(draft: str) -> tuple[DrafterKind, str]:
+def kind_of(draft: "str | Backend") -> tuple[DrafterKind, "str | Backend"]:
     """The kind a ``--draft`` value names and its argument: ``"ngram"`` -> (ngram, ""),
     ``"heads:f.safetensors"`` -> (heads, "f.safetensors"); anything else is a draft model
-    named by it. Raises SpecDecodeError for "auto" (not a kind) or a non-string."""
+    named by it, as is a loaded Backend (-> (model, the backend)). Raises SpecDecodeError
+    for "auto" (not a kind) or anything else that is not a non-empty string."""
+    from ..backends.base import Backend
+
+    if isinstance(draft, Backend):
+        return MODEL, draft
     if not isinstance(draft, str) or not draft:
         raise SpecDecodeError(f"draft must be a non-empty string, got {draft!r}", param="draft")
     if draft == AUTO:

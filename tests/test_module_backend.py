@@ -1,0 +1,209 @@
+"""A user's own PyTorch model over discrete codes (ModuleBackend) through the token-id API:
+a fixed Markov chain over 12 codes as the target, with and without a KV cache. Greedy
+parity with plain decoding and with the chain's own argmax path; sampled codes against the
+chain's exact distribution (chi-square, fixed seeds) with a negative control that the same
+test rejects; seeded equality with and without speculation; text-only options refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sstats
+
+import specdecode.engine
+from specdecode import Decoder, IncompatibleVocabularyError, ModuleBackend, SpecDecodeError
+from specdecode.grammar import Grammar
+from specdecode.verify import VerifyResult
+
+from backend_conformance import check_forward_rollback_forward, check_logits_only_where_asked
+
+V = 12
+END = 11  # the code that ends a generation in the chains with an end
+
+
+def chain(seed: int, concentration: float = 0.4, end_mass: float = 0.0) -> np.ndarray:
+    """A random transition matrix [V, V] (row: the current code), end code optional."""
+    p = np.random.default_rng(seed).dirichlet(np.full(V, concentration), size=V)
+    p[:, END] = end_mass
+    return p / p.sum(axis=1, keepdims=True)
+
+
+class Markov(torch.nn.Module):
+    """ids [1, L] -> logits [1, L, V]: row t is log P[ids[t]] (the slow-path contract)."""
+
+    def __init__(self, p: np.ndarray) -> None:
+        super().__init__()
+        self.register_buffer("logp", torch.tensor(np.log(np.maximum(p, 1e-30)), dtype=torch.float32))
+
+    def forward(self, ids):
+        return self.logp[ids]
+
+
+class CachedMarkov(Markov):
+    """(ids [1, N], past) -> (logits [1, N, V], past): past is ((keys [1, 1, L, 1],),) in the
+    legacy per-layer form, here holding the codes seen (what a real cache would be derived
+    from), so that cropping it to the wrong length would change nothing but its length check."""
+
+    def forward(self, ids, past=None):
+        seen = ids[..., None, :, None].float()
+        keys = seen if past is None else torch.cat([past[0][0], seen], dim=-2)
+        return self.logp[ids], ((keys,),)
+
+
+def backend(p, cached: bool, name: str = "markov", **kw) -> ModuleBackend:
+    return ModuleBackend(CachedMarkov(p) if cached else Markov(p), n_vocab=V, n_ctx=128, kv_cache=cached,
+                         name=name, **kw)
+
+
+TARGET = chain(0)
+DRAFT = 0.7 * TARGET + 0.3 * chain(1)  # a near chain: agrees often, not always
+
+
+def argmax_path(p: np.ndarray, start: int, n: int) -> list[int]:
+    out, x = [], start
+    for _ in range(n):
+        x = int(np.argmax(p[x]))
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_backend_keeps_the_contract(cached):
+    b = backend(TARGET, cached)
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, V, 20)]
+    check_forward_rollback_forward(b, ids, atol=0.0)
+    check_logits_only_where_asked(b, ids)
+    np.testing.assert_array_equal(b.forward(ids[:3], logits_for=[2]), np.log(np.maximum(TARGET[[ids[2]]], 1e-30)).astype(np.float32))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("draft", ["model", "ngram", "suffix", "auto"])
+def test_greedy_equals_plain_decoding_and_the_chains_argmax(cached, draft):
+    drafter = backend(DRAFT, cached, "draft") if draft == "model" else draft
+    k = "auto" if draft == "auto" else 4
+    with Decoder(target=backend(TARGET, cached), draft=drafter, num_speculative_tokens=k, progress=False) as dec:
+        accepted = 0
+        for start in range(V - 1):
+            spec = dec.generate_ids([start], max_tokens=30)
+            base = dec.generate_ids([start], max_tokens=30, plain=True)
+            assert spec.token_ids == base.token_ids == argmax_path(TARGET, start, 30)
+            assert spec.text == "" and spec.finish_reason == "length"
+            accepted += spec.stats.accepted
+        if draft != "auto":
+            assert accepted > 100  # speculation ran: the parity is not plain decoding's twice
+
+
+def two_code_counts(dec: Decoder, n: int, **options) -> dict:
+    counts: dict = {}
+    for i in range(n):
+        r = dec.generate_ids([0], max_tokens=2, temperature=1.0, seed=1000 + i, **options)
+        key = tuple(r.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square_p(counts: dict, n: int) -> float:
+    """Pairs (x1, x2) after code 0 against the chain's P[0, x1] P[x1, x2], rare cells pooled."""
+    expected = {(a, b): TARGET[0, a] * TARGET[a, b] for a in range(V) for b in range(V)}
+    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
+    for key, p in expected.items():
+        if p * n >= 5:
+            obs.append(counts.get(key, 0))
+            exp.append(p * n)
+        else:
+            rest_o += counts.get(key, 0)
+            rest_e += p * n
+    obs.append(rest_o + sum(v for k, v in counts.items() if k not in expected))
+    exp.append(max(rest_e, 1e-9))
+    return sstats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue
+
+
+def accept_everything(draft_ids, draft_probs, target_probs, rng):
+    """A wrong rule (the negative control): every draft kept, as if draft = target."""
+    k = len(draft_ids)
+    return VerifyResult(num_accepted=k, next_token=int(rng.choice(V, p=target_probs[k])), is_bonus=True)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_sampled_codes_follow_the_chain_and_a_wrong_rule_is_caught(cached, monkeypatch):
+    n = 3000
+    with Decoder(target=backend(TARGET, cached), draft=backend(DRAFT, cached, "draft"), num_speculative_tokens=2,
+                 progress=False) as dec:
+        for rule in ("gumbel", "rejection"):
+            p = chi_square_p(two_code_counts(dec, n, sampling_rule=rule), n)
+            assert p > 1e-3, (rule, p)
+        drafted = dec.generate_ids([0], max_tokens=60, temperature=1.0, seed=5, sampling_rule="rejection")
+        assert 0.05 < drafted.stats.acceptance_rate < 0.95  # the draft is a different chain
+        monkeypatch.setattr(specdecode.engine, "verify_speculative_sampling", accept_everything)
+        p_bad = chi_square_p(two_code_counts(dec, n, sampling_rule="rejection"), n)
+        assert p_bad < 1e-6, p_bad
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_a_seed_gives_the_same_codes_with_and_without_speculation(draft):
+    target = backend(TARGET, True)
+    drafter = backend(DRAFT, True, "draft") if draft == "model" else draft
+    with Decoder(target=target, draft=drafter, num_speculative_tokens=4, progress=False) as dec:
+        for seed in range(8):
+            spec = dec.generate_ids([seed % (V - 1)], max_tokens=40, temperature=0.9, top_p=0.95, seed=seed)
+            base = dec.generate_ids([seed % (V - 1)], max_tokens=40, temperature=0.9, top_p=0.95, seed=seed, plain=True)
+            assert spec.token_ids == base.token_ids
+            assert spec.stats.invariant_block >= 2  # the table's logits are batch-invariant: verified in blocks
+        other = dec.generate_ids([0], max_tokens=40, temperature=0.9, top_p=0.95, seed=1)
+        assert other.token_ids != dec.generate_ids([0], max_tokens=40, temperature=0.9, top_p=0.95, seed=2).token_ids
+
+
+def test_the_end_code_ends_a_generation():
+    p = chain(2, end_mass=0.2)
+    ends = ModuleBackend(Markov(p), n_vocab=V, eog_ids=[END], n_ctx=128, name="ending")
+    with Decoder(target=ends, draft=ModuleBackend(Markov(chain(3, end_mass=0.2)), n_vocab=V, eog_ids=[END], n_ctx=128),
+                 num_speculative_tokens=3, progress=False) as dec:
+        results = [dec.generate_ids([0], max_tokens=100, temperature=1.0, seed=s) for s in range(20)]
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    assert stopped and all(END not in r.token_ids for r in results)
+
+
+def test_text_only_options_are_refused_by_name():
+    with Decoder(target=backend(TARGET, False), draft="ngram", num_speculative_tokens=2, progress=False) as dec:
+        cases = [(dict(prompt="a cat"), "prompt"), (dict(messages=[{"role": "user", "content": "hi"}]), "messages"),
+                 (dict(prompt_ids=[0], stop=["\n"]), "stop"), (dict(prompt_ids=[0], grammar=Grammar("json_object")),
+                                                                 "grammar"),
+                 (dict(prompt_ids=[0], prediction="some text"), "prediction")]
+        for kwargs, param in cases:
+            with pytest.raises(SpecDecodeError, match=f"{param} is a text option") as e:
+                dec.generate(**kwargs)
+            assert e.value.param == param
+        for bad, what in (([], "empty"), ("0 1", "integer"), ([0.5], "integer"), ([V], "outside the vocabulary")):
+            with pytest.raises(SpecDecodeError, match=what):
+                dec.generate_ids(bad)
+    # A prediction over codes is a lookup over ids: allowed, and lossless.
+    with Decoder(target=backend(TARGET, False), draft="prediction", num_speculative_tokens=8, progress=False) as dec:
+        want = argmax_path(TARGET, 0, 20)
+        wrong = want[:10] + [(t + 1) % V for t in want[10:]]
+        for prediction in (want, wrong):
+            r = dec.generate_ids([0], max_tokens=20, prediction=prediction)
+            assert r.token_ids == want and r.stats.accepted >= 10
+
+
+def test_bad_models_and_codebooks_are_refused_with_the_values():
+    with pytest.raises(SpecDecodeError, match="torch.nn.Module"):
+        ModuleBackend(lambda ids: ids, n_vocab=V)
+    with pytest.raises(SpecDecodeError, match=r"eog_ids \[12\]"):
+        ModuleBackend(Markov(TARGET), n_vocab=V, eog_ids=[12])
+    with pytest.raises(SpecDecodeError, match="n_vocab = 1"):
+        ModuleBackend(Markov(TARGET), n_vocab=1)
+    wrong_v = ModuleBackend(Markov(TARGET), n_vocab=V + 1, n_ctx=64)
+    with pytest.raises(SpecDecodeError, match=r"shape \(1, 1, 12\): expected \(1, 1, 13\)"):
+        wrong_v.forward([0], logits_for=[0])
+    assert wrong_v.kv_len == 0  # nothing appended
+    with pytest.raises(IncompatibleVocabularyError, match="codebook 'pixels'.*codebook 'codes'"):
+        Decoder(target=backend(TARGET, False), draft=backend(DRAFT, False, codebook="pixels"), num_speculative_tokens=2,
+                progress=False)
+    with pytest.raises(IncompatibleVocabularyError, match="13 codes"):
+        Decoder(target=backend(TARGET, False), draft=wrong_v, num_speculative_tokens=2, progress=False)
+    with pytest.raises(SpecDecodeError, match="parallel = 2"):
+        Decoder(target=backend(TARGET, False), draft="ngram", parallel=2, progress=False)
+    with Decoder(target=backend(TARGET, False), draft="ngram", num_speculative_tokens=2, progress=False) as dec:
+        with pytest.raises(SpecDecodeError, match="context"):
+            dec.generate_ids([0] * 128)
