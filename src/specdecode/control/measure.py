@@ -227,8 +227,10 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
     can never verify more); the curve extrapolates beyond them.
     """
     block = MAX_NUM_SPECULATIVE_TOKENS + 1
-    context = max(0, min(context, backend.n_ctx - 1 - min(max(ns), block)))
-    ns = [n for n in ns if min(n, block) <= backend.n_ctx - 1 - context] or [1]
+    # The tokens one sequence takes for size n: all of them on a backend of one sequence.
+    rows = (lambda n: n) if backend.n_seq == 1 else (lambda n: min(n, block))  # noqa: E731
+    context = max(0, min(context, backend.n_ctx - 1 - rows(max(ns))))
+    ns = [n for n in ns if rows(n) <= backend.n_ctx - 1 - context] or [1]
     vocab = backend.n_vocab
     rng = np.random.default_rng(0)
     base = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=context)]
