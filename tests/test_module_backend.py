@@ -154,6 +154,18 @@ def test_a_seed_gives_the_same_codes_with_and_without_speculation(draft):
         assert other.token_ids != dec.generate_ids([0], max_tokens=40, temperature=0.9, top_p=0.95, seed=2).token_ids
 
 
+def test_a_stream_of_codes_reports_each_steps_codes_as_they_are_committed():
+    from specdecode import GenerationResult
+
+    with Decoder(target=backend(TARGET, True), draft=backend(DRAFT, True, "draft"), num_speculative_tokens=4,
+                 progress=False) as dec:
+        items = list(dec.stream(prompt_ids=[0], max_tokens=30))
+    result, deltas = items[-1], items[:-1]
+    assert isinstance(result, GenerationResult) and all(d == "" for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids == argmax_path(TARGET, 0, 30)
+    assert len(deltas) == result.stats.target_forward_passes  # one delta per step, none held back
+
+
 def test_the_end_code_ends_a_generation():
     p = chain(2, end_mass=0.2)
     ends = ModuleBackend(Markov(p), n_vocab=V, eog_ids=[END], n_ctx=128, name="ending")
@@ -207,3 +219,66 @@ def test_bad_models_and_codebooks_are_refused_with_the_values():
     with Decoder(target=backend(TARGET, False), draft="ngram", num_speculative_tokens=2, progress=False) as dec:
         with pytest.raises(SpecDecodeError, match="context"):
             dec.generate_ids([0] * 128)
+
+
+class Recurrent(torch.nn.Module):
+    """A model with a hidden state: h_t = tanh(W [emb(x_t); h_{t-1}]); logits = head(h_t).
+    Its greedy continuation depends on the whole prefix, so heads must read h."""
+
+    def __init__(self, seed: int, d: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb, self.mix, self.head = torch.nn.Embedding(V, d), torch.nn.Linear(2 * d, d), torch.nn.Linear(d, V)
+        with torch.no_grad():
+            self.mix.weight.mul_(2.0)
+
+    def forward(self, ids):
+        h = torch.zeros(ids.shape[0], self.mix.out_features)
+        hs = []
+        for t in range(ids.shape[1]):
+            h = torch.tanh(self.mix(torch.cat([self.emb(ids[:, t]), h], dim=-1)))
+            hs.append(h)
+        return self.head(torch.stack(hs, dim=1))
+
+
+def test_heads_trained_on_ids_draft_for_a_model_over_codes(tmp_path):
+    from specdecode.drafters.heads import HeadsMismatchError
+    from specdecode.heads.train import TrainConfig, train_heads_on_ids
+
+    model = Recurrent(0)
+    target = ModuleBackend(model, n_vocab=V, n_ctx=64, name="recurrent", output_head=model.head)
+    # The target's own greedy continuations of random 3-code prefixes (a self-corpus, as
+    # `specdecode heads corpus` makes for text: heads learn what the target would emit).
+    with Decoder(target=target, draft="none", num_speculative_tokens=0, progress=False) as plain:
+        prefixes = np.random.default_rng(0).integers(0, V, size=(300, 3)).tolist()
+        seqs = np.array([p + plain.generate_ids(p, max_tokens=21).token_ids for p in prefixes])
+    target = ModuleBackend(model, n_vocab=V, n_ctx=64, name="recurrent", output_head=model.head)  # the Decoder closed it
+    heads, report = train_heads_on_ids(target, seqs, TrainConfig(heads=3, epochs=10, batch=64, lr=1e-2),
+                                       progress=False, log=lambda _: None)
+    assert report["held_out_accuracy"][0] > report["held_out_accuracy_untrained"][0] + 0.2, report
+    path = tmp_path / "heads.safetensors"
+    heads.save(path)
+    with Decoder(target=target, draft=f"heads:{path}", num_speculative_tokens=3, progress=False) as dec:
+        accepted = 0
+        for start in range(V):
+            spec = dec.generate_ids([start, (start + 5) % V], max_tokens=30)
+            base = dec.generate_ids([start, (start + 5) % V], max_tokens=30, plain=True)
+            assert spec.token_ids == base.token_ids
+            accepted += spec.stats.accepted
+            a = dec.generate_ids([start], max_tokens=20, temperature=1.0, seed=start)
+            assert a.token_ids == dec.generate_ids([start], max_tokens=20, temperature=1.0, seed=start,
+                                                   plain=True).token_ids
+        assert accepted > 60  # the heads draft, and what they draft is kept often
+    other = Recurrent(1)
+    with pytest.raises(HeadsMismatchError, match="trained for target another file named recurrent.*train_heads_on_ids"):
+        Decoder(target=ModuleBackend(other, n_vocab=V, n_ctx=64, name="recurrent", output_head=other.head),
+                draft=f"heads:{path}", num_speculative_tokens=3, progress=False)
+    plain_target = ModuleBackend(Recurrent(0), n_vocab=V, n_ctx=64)
+    with pytest.raises(SpecDecodeError, match="output_head"):
+        train_heads_on_ids(plain_target, seqs)
+    with pytest.raises(SpecDecodeError, match="hidden states"):
+        Decoder(target=plain_target, draft=f"heads:{path}", num_speculative_tokens=3, progress=False)
+    with pytest.raises(SpecDecodeError, match="output_head must be"):
+        ModuleBackend(model, n_vocab=V, output_head=model.emb)
+    with pytest.raises(SpecDecodeError, match=r"shape \(5, 3\)"):
+        train_heads_on_ids(target, seqs[:5, :3], TrainConfig(heads=3))

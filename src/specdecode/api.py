@@ -307,7 +307,7 @@ class Decoder:
 
     def _check_codes(self, prompt, messages, fields: dict) -> None:
         """A target without text takes ids only: refuse each text-only option by name."""
-        if self.target.has_text:
+        if getattr(self.target, "has_text", True):
             return
         given = {"prompt": prompt is not None, "messages": messages is not None,
                  "stop": bool(fields.get("stop")), "grammar": fields.get("grammar") is not None,

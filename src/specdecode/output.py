@@ -243,15 +243,17 @@ class OutputAccumulator:
     def _delta(self, text: str, final: bool) -> TextDelta:
         """text with the tokens it completes: those not reported yet whose bytes end within
         the bytes streamed so far and start before their end (a token of no bytes at the
-        streamed end waits: a stop string found there later would drop it); all of the
-        rest when ``final``."""
+        streamed end waits where there are stop strings: one found there later would drop
+        it; without them it is reported at once, as every code of a model over codes is);
+        all of the rest when ``final``."""
         n = len(self.emitted)
         if final:
             upto = n
         else:
             streamed = _streamed_bytes(self._text)
+            no_stops = self._text._matcher is None
             upto = self._reported
-            while upto < n and self._token_ends[upto] <= streamed and self._token_start(upto) < streamed:
+            while upto < n and self._token_ends[upto] <= streamed and (no_stops or self._token_start(upto) < streamed):
                 upto += 1
         lo, self._reported = self._reported, max(self._reported, upto)
         step, self._step = self._step, None

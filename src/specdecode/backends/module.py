@@ -38,12 +38,12 @@ rows requested, V = codebook size.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import numpy as np
 
 from ..errors import SpecDecodeError
-from .base import BackendBase
+from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 # Elements of each parameter hashed into the cost key (strided over the tensor): enough to
 # tell two trainings of one architecture apart without reading a large model's every weight.
@@ -96,7 +96,11 @@ class ModuleBackend(BackendBase):
     hold (a model with learned positions has a maximum). kv_cache: the model keeps a cache
     (fast) or recomputes the sequence each forward (slow). codebook: the code vocabulary's
     name, which a draft model must share. name: for messages and statistics.
-    n_threads: torch's CPU threads (None: torch's default).
+    n_threads: torch's CPU threads (None: torch's default). output_head: the model's output
+    layer (a ``torch.nn.Linear`` whose output is the logits, up to a constant mask), for draft
+    heads (Medusa-1, :mod:`specdecode.drafters.heads`): the final hidden state of a row is the
+    input that layer receives in the model's forward (read with a forward hook, so the model
+    needs no change); trained with :func:`specdecode.heads.train.train_heads_on_ids`.
 
     Raises SpecDecodeError naming the value for a model that is not a Module, V < 2, an end
     id outside 0..V-1 or n_ctx < 2; and at a forward for logits of the wrong shape or a cache
@@ -106,7 +110,8 @@ class ModuleBackend(BackendBase):
     has_text = False
 
     def __init__(self, model, n_vocab: int, eog_ids: Iterable[int] = (), n_ctx: int = 4096, kv_cache: bool = False,
-                 codebook: str = "codes", name: str | None = None, n_threads: int | None = None) -> None:
+                 codebook: str = "codes", name: str | None = None, n_threads: int | None = None,
+                 output_head=None) -> None:
         torch = _import_torch()
         self._torch = torch
         if not isinstance(model, torch.nn.Module):
@@ -133,6 +138,16 @@ class ModuleBackend(BackendBase):
         self._tokens: list[int] = []  # the sequence (kv_cache=False) or what the cache holds
         self._past: Any = None
         self._kv_len = 0
+        self.output_head, self._hook, self._seen = output_head, None, None
+        if output_head is not None:
+            if not isinstance(output_head, torch.nn.Linear) or output_head.out_features != n_vocab:
+                raise SpecDecodeError(f"output_head must be the model's torch.nn.Linear output layer with n_vocab = "
+                                      f"{n_vocab} outputs, got {output_head!r:.80}", param="output_head")
+            self.supports_hidden_states = True
+            self._hook = output_head.register_forward_hook(self._see)
+
+    def _see(self, module, inputs, output) -> None:
+        self._seen = inputs[0]  # [1, N, H]: the final hidden states of the forward's rows
 
     # --- vocabulary: codes, not text ---------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -170,17 +185,33 @@ class ModuleBackend(BackendBase):
 
         Raises ContextOverflowError when they do not fit n_ctx, SpecDecodeError for ids
         outside the codebook, logits of the wrong shape, or a cache of the wrong length."""
+        return self._forward(token_ids, logits_for, seq, hidden=False)[0]
+
+    def forward_batch_hidden(self, items: Sequence[SeqForward],
+                             hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
+        """:meth:`forward_batch` (one sequence), also returning the hidden states [M, H] (a
+        tensor) of its logit rows when its seq is in hidden_for (needs output_head)."""
+        if len(items) != 1 or not self.supports_hidden_states:
+            return super().forward_batch_hidden(items, hidden_for)  # raises, saying why
+        seq, tokens, rows = items[0]
+        want = int(seq) in {int(s) for s in hidden_for}
+        logits, hidden = self._forward(tokens, rows, seq, hidden=want)
+        return [logits], ({int(seq): hidden} if want else {})
+
+    def _forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int,
+                 hidden: bool) -> tuple[np.ndarray, HiddenRows | None]:
         self._check_seq(seq)
         tokens = [int(t) for t in token_ids]
         rows = self._check_forward(tokens, logits_for, seq)
+        empty = np.zeros((0, self._n_vocab), dtype=np.float32)
         if not tokens:
-            return np.zeros((0, self._n_vocab), dtype=np.float32)
+            return empty, HiddenRows([], None) if hidden else None
         torch = self._torch
         start = self._kv_len
+        self._seen = None
         with torch.inference_mode():
             if self.kv_cache:
-                ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-                out = self.model(ids, self._past)
+                out = self.model(torch.tensor([tokens], dtype=torch.long, device=self.device), self._past)
                 if not (isinstance(out, (tuple, list)) and len(out) == 2):
                     raise SpecDecodeError(f"{self.name} (kv_cache=True) must return (logits, past), got "
                                           f"{type(out).__name__}")
@@ -194,12 +225,16 @@ class ModuleBackend(BackendBase):
                 ids = torch.tensor([self._tokens + tokens], dtype=torch.long, device=self.device)
                 logits, past, offset = self.model(ids), None, start
             logits = self._checked(getattr(logits, "logits", logits), offset + len(tokens))
-            picked = logits[0, [offset + r for r in rows]].float().cpu().numpy() if rows else \
-                np.zeros((0, self._n_vocab), dtype=np.float32)
+            at = [offset + r for r in rows]
+            picked = logits[0, at].float().cpu().numpy() if rows else empty
+            if hidden and (self._seen is None or tuple(self._seen.shape[:2]) != (1, offset + len(tokens))):
+                raise SpecDecodeError(f"{self.name}: its output_head was not called once on the forward's "
+                                      f"[1, {offset + len(tokens)}, H] hidden states")
+            rows_h = HiddenRows([start + r for r in rows], self._seen[0, at]) if hidden else None
         self._past = past
         self._tokens += tokens
         self._kv_len = start + len(tokens)
-        return picked
+        return picked, rows_h
 
     def _checked(self, logits, n: int):
         shape = tuple(getattr(logits, "shape", ()))
@@ -217,7 +252,41 @@ class ModuleBackend(BackendBase):
             del self._tokens[n:]
             self._kv_len = n
 
+    # --- draft heads (with output_head) ----------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.output_head.in_features) if self.output_head is not None else 0
+
+    def parameters(self):
+        """(name, tensor) of every weight: the identity heads are tied to."""
+        return self.model.named_parameters()
+
+    def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
+        """Residual heads (:func:`.base.residual_heads`) over the output head's rows of
+        vocab_subset: f(h [H], k) -> logits [k, V] float32, -inf outside the subset."""
+        if self.output_head is None:
+            return super().make_heads(weight, bias, vocab_subset)  # raises
+        torch, head = self._torch, self.output_head
+        dtype, dev = head.weight.dtype, head.weight.device
+        W, b = torch.tensor(weight, dtype=dtype, device=dev), torch.tensor(bias, dtype=dtype, device=dev)
+        ids = torch.tensor(vocab_subset, dtype=torch.long, device=dev)
+        w_out = head.weight.detach().index_select(0, ids)
+        b_out = head.bias.detach().index_select(0, ids) if head.bias is not None else None
+
+        def run(h, k: int) -> np.ndarray:
+            with torch.inference_mode():
+                logits = torch.full((k, self._n_vocab), float("-inf"), dtype=torch.float32, device=dev)
+                logits[:, ids] = residual_heads(h.to(dtype), W[:k], b[:k], w_out, b_out, torch.einsum,
+                                                torch.nn.functional.silu).float()
+                return logits.cpu().numpy()
+
+        return run
+
     def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._seen = None
         self._past = None
         self._tokens = []
         self._kv_len = 0

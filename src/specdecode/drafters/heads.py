@@ -153,10 +153,12 @@ class DraftHeads:
             trained_for = self.meta.get("target_name", "?")
             if trained_for == target.name:
                 trained_for = f"another file named {trained_for}"
+            how = (f"'specdecode heads train --target {target.name}'" if getattr(target, "has_text", True) else
+                   "specdecode.heads.train.train_heads_on_ids")
             raise HeadsMismatchError(
                 f"{path} was trained for target {trained_for} (SHA-256 {want[:16]}...), "
-                f"not for {target.name} (SHA-256 {have[:16]}...): train heads for this target with "
-                f"'specdecode heads train --target {target.name}'", param="draft")
+                f"not for {target.name} (SHA-256 {have[:16]}...): train heads for this target with {how}",
+                param="draft")
         if int(self.vocab_subset.max()) >= target.n_vocab:
             raise HeadsMismatchError(f"{path} names token id {int(self.vocab_subset.max())}, outside the vocabulary "
                                      f"of {target.name} ({target.n_vocab})", param="draft")

@@ -195,21 +195,69 @@ def train_heads(backend, cfg: TrainConfig, progress: bool = True,
     t0 = time.perf_counter()
     files, where = corpus_files(cfg.corpus)
     wins = windows(backend, files, cfg)
-    n_eval = max(1, int(round(len(wins) * cfg.held_out)))
     model = backend.model
     with tqdm(total=int(wins.size), unit="tok", desc="target features", disable=not progress) as bar:
         H, L = features(model, wins, bar.update)
+    return _fit(backend, model.get_output_embeddings(), H, L, cfg, where, t0, progress, log)
+
+
+def train_heads_on_ids(backend, sequences, cfg: TrainConfig | None = None, progress: bool = True,
+                       log: Callable[[str], None] = print) -> tuple[DraftHeads, dict]:
+    """Train heads for a target over codes (a :class:`specdecode.backends.module.ModuleBackend`
+    given its ``output_head``) on id sequences [N, T] (N >= 2 of one length T > cfg.heads:
+    e.g. the training images' codes), labelled by the target's own greedy predictions as
+    :func:`train_heads` does; cfg's corpus, tokens and window do not apply. Returns (heads,
+    report). Raises SpecDecodeError for a target without hidden states or bad sequences."""
+    import torch
+    from dataclasses import replace
+
+    from ..backends.base import SeqForward
+
+    cfg = cfg or TrainConfig()
+    if not backend.supports_hidden_states or getattr(backend, "output_head", None) is None:
+        raise SpecDecodeError(f"training heads needs the target's hidden states: give {backend.name} its "
+                              f"output_head (ModuleBackend(..., output_head=model.head))", param="output_head")
+    try:
+        wins = np.asarray(sequences, dtype=np.int64)
+    except (TypeError, ValueError):
+        raise SpecDecodeError("sequences must be id sequences of one length (an [N, T] array)",
+                              param="sequences") from None
+    if wins.ndim != 2 or len(wins) < 2 or wins.shape[1] <= cfg.heads:
+        raise SpecDecodeError(f"sequences of shape {wins.shape}: expected [N >= 2, T > {cfg.heads} heads]",
+                              param="sequences")
+    check_config(replace(cfg, window=wins.shape[1], tokens=max(cfg.tokens, 256)))
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    wins = wins[np.random.default_rng(cfg.seed).permutation(len(wins))]
+    hs, labels = [], []
+    for w in wins:
+        backend.rollback(0)
+        (logits,), hidden = backend.forward_batch_hidden([SeqForward(0, [int(t) for t in w], range(len(w)))], {0})
+        labels.append(torch.as_tensor(logits.argmax(-1)))
+        hs.append(hidden[0].hidden.detach().to(torch.bfloat16).cpu())
+    backend.rollback(0)
+    return _fit(backend, backend.output_head, torch.stack(hs), torch.stack(labels), cfg,
+                f"{len(wins)} id sequences of {wins.shape[1]}", t0, progress, log)
+
+
+def _fit(backend, head, H, L, cfg: TrainConfig, where: str, t0: float, progress: bool,
+         log: Callable[[str], None]) -> tuple[DraftHeads, dict]:
+    """Adam over the heads on the target's features H [N, T, Hd] and greedy labels L [N, T]
+    (the first tenth held out); head: the target's output projection (frozen)."""
+    import torch
+    from tqdm import tqdm
+
+    n_eval = max(1, int(round(len(H) * cfg.held_out)))
     t_feat = time.perf_counter() - t0
     H_train, L_train, H_eval, L_eval = H[n_eval:], L[n_eval:], H[:n_eval], L[:n_eval]
 
-    K, T = cfg.heads, wins.shape[1]
+    K, T = cfg.heads, H.shape[1]
     counts = torch.bincount(L_train.reshape(-1), minlength=backend.n_vocab)
     counts[list(backend.eog_ids)] += counts.max() + 1  # the end of generation can always be drafted
     S = min(cfg.vocab_subset, int((counts > 0).sum()))
     subset = torch.argsort(counts, descending=True, stable=True)[:S].sort().values
     sub_index = torch.full((backend.n_vocab,), -1, dtype=torch.long)
     sub_index[subset] = torch.arange(S)
-    head = model.get_output_embeddings()
     w_out = head.weight.detach().index_select(0, subset.to(head.weight.device)).float().cpu()
     b_out = head.bias.detach().index_select(0, subset).float().cpu() if getattr(head, "bias", None) is not None \
         else None
@@ -248,7 +296,7 @@ def train_heads(backend, cfg: TrainConfig, progress: bool = True,
                                              ", ".join(f"head {k + 1} {a:.3f}" for k, a in enumerate(acc)))
     report = {"held_out_accuracy": [round(a, 4) for a in history[-1]],
               "held_out_accuracy_untrained": [round(a, 4) for a in before],
-              "tokens": int(wins.size), "train_windows": int(len(wins) - n_eval), "held_out_windows": n_eval,
+              "tokens": int(L.numel()), "train_windows": int(len(H) - n_eval), "held_out_windows": n_eval,
               "window": T, "vocab_subset": S, "epochs": cfg.epochs, "steps": total, "seed": cfg.seed,
               "corpus": where, "labels": "self-distillation (the target's greedy prediction)",
               "features_s": round(t_feat, 1), "seconds": round(time.perf_counter() - t0, 1)}
