@@ -261,6 +261,17 @@ class BackendBase:
                              hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} does not give its hidden states")
 
+    def _one_sequence_hidden(self, items: Sequence[SeqForward],
+                             hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
+        """:meth:`forward_batch_hidden` of a backend of one sequence whose
+        ``_forward(tokens, rows, seq, hidden)`` gives (logits, HiddenRows or None)."""
+        if len(items) != 1:
+            return BackendBase.forward_batch(self, items), {}  # raises: one sequence
+        seq, tokens, rows = items[0]
+        want = int(seq) in {int(s) for s in hidden_for}
+        logits, hidden = self._forward(tokens, rows, seq, hidden=want)
+        return [logits], ({int(seq): hidden} if want else {})
+
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot run draft heads")
 

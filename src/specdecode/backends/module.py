@@ -191,12 +191,9 @@ class ModuleBackend(BackendBase):
                              hidden_for: Collection[int]) -> tuple[list[np.ndarray], dict[int, HiddenRows]]:
         """:meth:`forward_batch` (one sequence), also returning the hidden states [M, H] (a
         tensor) of its logit rows when its seq is in hidden_for (needs output_head)."""
-        if len(items) != 1 or not self.supports_hidden_states:
+        if not self.supports_hidden_states:
             return super().forward_batch_hidden(items, hidden_for)  # raises, saying why
-        seq, tokens, rows = items[0]
-        want = int(seq) in {int(s) for s in hidden_for}
-        logits, hidden = self._forward(tokens, rows, seq, hidden=want)
-        return [logits], ({int(seq): hidden} if want else {})
+        return self._one_sequence_hidden(items, hidden_for)
 
     def _forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int,
                  hidden: bool) -> tuple[np.ndarray, HiddenRows | None]:

@@ -304,12 +304,7 @@ class TorchBackend(BackendBase):
         device tensor in the model's dtype) of its logit rows when its seq is in hidden_for:
         the logits are then computed from those rows as the model's own forward does
         (decoder, then the output projection)."""
-        if len(items) != 1:
-            return super().forward_batch(items), {}  # raises: one sequence
-        seq, tokens, rows = items[0]
-        want = int(seq) in {int(s) for s in hidden_for}
-        logits, hidden = self._forward(tokens, rows, seq, hidden=want)
-        return [logits], ({int(seq): hidden} if want else {})
+        return self._one_sequence_hidden(items, hidden_for)
 
     def _forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int,
                  hidden: bool) -> tuple[np.ndarray, HiddenRows | None]:
