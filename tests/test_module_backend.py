@@ -252,7 +252,6 @@ def test_heads_trained_on_ids_draft_for_a_model_over_codes(tmp_path):
     with Decoder(target=target, draft="none", num_speculative_tokens=0, progress=False) as plain:
         prefixes = np.random.default_rng(0).integers(0, V, size=(300, 3)).tolist()
         seqs = np.array([p + plain.generate_ids(p, max_tokens=21).token_ids for p in prefixes])
-    target = ModuleBackend(model, n_vocab=V, n_ctx=64, name="recurrent", output_head=model.head)  # the Decoder closed it
     heads, report = train_heads_on_ids(target, seqs, TrainConfig(heads=3, epochs=10, batch=64, lr=1e-2),
                                        progress=False, log=lambda _: None)
     assert report["held_out_accuracy"][0] > report["held_out_accuracy_untrained"][0] + 0.2, report
@@ -282,3 +281,74 @@ def test_heads_trained_on_ids_draft_for_a_model_over_codes(tmp_path):
         ModuleBackend(model, n_vocab=V, output_head=model.emb)
     with pytest.raises(SpecDecodeError, match=r"shape \(5, 3\)"):
         train_heads_on_ids(target, seqs[:5, :3], TrainConfig(heads=3))
+
+
+def test_a_backend_serves_one_decoder_at_a_time_and_stays_usable_after_a_refusal():
+    t = backend(TARGET, True)
+    with pytest.raises(SpecDecodeError, match="same backend") as e:
+        Decoder(target=t, draft=t, num_speculative_tokens=2, progress=False)
+    assert e.value.param == "draft"
+    first = Decoder(target=t, draft="ngram", num_speculative_tokens=2, progress=False)
+    with pytest.raises(SpecDecodeError, match="in use by another Decoder") as e:
+        Decoder(target=t, draft="none", num_speculative_tokens=0, progress=False)
+    assert e.value.param == "target"
+    with pytest.raises(SpecDecodeError, match="in use by another Decoder"):
+        Decoder(target=backend(TARGET, True), draft=t, num_speculative_tokens=2, progress=False)
+    assert first.generate_ids([3], max_tokens=10).token_ids == argmax_path(TARGET, 3, 10)
+    first.close()
+    # Closed: free for the next Decoder. A refused Decoder leaves the caller's backends as they were.
+    with pytest.raises(IncompatibleVocabularyError):
+        Decoder(target=t, draft=backend(DRAFT, True, codebook="other"), num_speculative_tokens=2, progress=False)
+    with Decoder(target=t, draft=backend(DRAFT, True, "draft"), num_speculative_tokens=2, progress=False) as again:
+        assert again.generate_ids([3], max_tokens=10).token_ids == argmax_path(TARGET, 3, 10)
+
+
+class Broken(Markov):
+    def __init__(self, p, post):
+        super().__init__(p)
+        self.post = post
+
+    def forward(self, ids):
+        return self.post(super().forward(ids))
+
+
+@pytest.mark.parametrize("post, what", [(lambda l: l * float("nan"), "non-finite"),
+                                        (lambda l: l * 0 - float("inf"), "non-finite"),
+                                        (lambda l: l * 0 + float("inf"), "non-finite"),
+                                        (lambda l: l.numpy(), "ndarray"), (lambda l: l.long(), "torch.int64")])
+def test_logits_without_a_distribution_are_refused(post, what):
+    with Decoder(target=ModuleBackend(Broken(TARGET, post), n_vocab=V, n_ctx=32), draft="none",
+                 num_speculative_tokens=0, progress=False) as dec:
+        for sampling in (dict(), dict(temperature=1.0, seed=1)):
+            with pytest.raises(SpecDecodeError, match=what):
+                dec.generate_ids([0], max_tokens=3, **sampling)
+
+
+def test_bad_ids_options_and_caches_are_refused_by_name():
+    with Decoder(target=backend(TARGET, False), draft=backend(DRAFT, False, "d"), num_speculative_tokens=2,
+                 progress=False) as dec:
+        for bad in (None, 5, np.array(3), (t for t in [1]), {1, 2}, {1: 2}, [1.9], [[1]], [True], [-1], [V]):
+            with pytest.raises(SpecDecodeError) as e:
+                dec.generate_ids(bad)
+            assert e.value.param == "prompt_ids", bad
+        assert dec.generate_ids(np.array([0, 1]), max_tokens=3).token_ids == argmax_path(TARGET, 1, 3)
+        with pytest.raises(SpecDecodeError, match="prediction id 99") as e:
+            dec.generate_ids([0], prediction=[3, 99])
+        assert e.value.param == "prediction"
+        assert len(dec.generate_ids([0], max_tokens=2, logprobs=20).logprobs[0].top_logprobs) == V  # all there are
+        assert dec.generate_ids([0], max_tokens=3).token_ids == argmax_path(TARGET, 0, 3)  # still fine
+    for kwargs, param in ((dict(kv_cache="no"), "kv_cache"), (dict(eog_ids="19"), "eog_ids"),
+                          (dict(eog_ids=[8.9]), "eog_ids"), (dict(eog_ids=[True]), "eog_ids"),
+                          (dict(n_threads=0), "n_threads"), (dict(n_threads=2.5), "n_threads")):
+        with pytest.raises(SpecDecodeError) as e:
+            ModuleBackend(Markov(TARGET), n_vocab=V, **kwargs)
+        assert e.value.param == param
+
+    class DictCache(Markov):
+        def forward(self, ids, past=None):
+            return super().forward(ids), {"layers": past}
+
+    odd = ModuleBackend(DictCache(TARGET), n_vocab=V, n_ctx=32, kv_cache=True)
+    with pytest.raises(SpecDecodeError, match="cache of type dict"):
+        odd.forward([0, 1], logits_for=[1])
+    assert odd.kv_len == 0

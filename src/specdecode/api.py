@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -33,6 +34,10 @@ from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
 from .parity import NEAR_TIE_GAP, parity_report
 from .request import GenerationOptions
+
+
+# Loaded backends that a Decoder was given and holds (see Decoder._claim).
+_IN_USE: "weakref.WeakSet[Backend]" = weakref.WeakSet()
 
 
 class Decoder:
@@ -105,8 +110,10 @@ class Decoder:
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         check_tree_width(tree_width)  # before anything loads
         check_max_tree_nodes(max_tree_nodes)
+        given = self._claim(target, draft)
         if isinstance(target, Backend):
             if parallel > target.n_seq:
+                _IN_USE.difference_update(given)
                 raise SpecDecodeError(f"target {target.name} holds {target.n_seq} sequence(s): parallel = {parallel} "
                                       f"needs as many", param="parallel")
             self.target = target
@@ -128,8 +135,11 @@ class Decoder:
             self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance,
                                             max_tree_nodes=max_tree_nodes)
         except BaseException:
-            self.target.close()
+            _IN_USE.difference_update(given)
+            if self.target not in given:  # a backend the caller gave stays theirs, as it was
+                self.target.close()
             raise
+        self._given = given
         self._lock = threading.Condition(threading.RLock())
         self._closed = False
         self._owners: dict[Generation, int] = {}  # running generation -> the thread that began it
@@ -144,6 +154,25 @@ class Decoder:
             self._lock.notify_all()
         self.drafter.close()
         self.target.close()
+        _IN_USE.difference_update(self._given)
+
+    @staticmethod
+    def _claim(target, draft) -> list[Backend]:
+        """The loaded backends given (target, draft), claimed for this Decoder: one holds one
+        sequence's cache, so it serves one Decoder, as target or draft model, not both.
+        Raises SpecDecodeError naming the backend otherwise."""
+        given = [b for b in (target, draft) if isinstance(b, Backend)]
+        if len(given) == 2 and given[0] is given[1]:
+            raise SpecDecodeError(f"draft and target are the same backend {target.name}: each holds its own cache, "
+                                  f"so the draft model needs a backend of its own (wrap the module again)",
+                                  param="draft")
+        for b, param in zip(given, ["target", "draft"] if isinstance(target, Backend) else ["draft"]):
+            if b in _IN_USE:
+                raise SpecDecodeError(f"{param} {b.name} is in use by another Decoder (a backend holds one "
+                                      f"sequence's cache): close that Decoder first, or give this one a backend of "
+                                      f"its own (ModuleBackend over the same module)", param=param)
+        _IN_USE.update(given)
+        return given
 
     def _check_open(self) -> None:
         if self._closed:
@@ -297,13 +326,9 @@ class Decoder:
         ``token_ids`` the generated ids (end id excluded), ``stats`` the speculation's
         statistics. For a target without text, text-only options (stop strings, a grammar, a
         prediction as text) raise SpecDecodeError naming the option."""
-        if isinstance(prompt_ids, (str, bytes)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                          for t in prompt_ids):
-            raise SpecDecodeError("prompt_ids must be a sequence of integer token ids", param="prompt_ids")
-        if not len(prompt_ids):
-            raise SpecDecodeError("prompt_ids is empty: a generation starts from at least one id (a start or "
-                                  "class code)", param="prompt_ids")
-        return self.generate(prompt_ids=[int(t) for t in prompt_ids], **options)
+        if prompt_ids is None:
+            raise SpecDecodeError("generate_ids needs prompt_ids: the ids to start from", param="prompt_ids")
+        return self.generate(prompt_ids=prompt_ids, **options)
 
     def _check_codes(self, prompt, messages, fields: dict) -> None:
         """A target without text takes ids only: refuse each text-only option by name."""
@@ -311,8 +336,8 @@ class Decoder:
             return
         given = {"prompt": prompt is not None, "messages": messages is not None,
                  "stop": bool(fields.get("stop")), "grammar": fields.get("grammar") is not None,
-                 "prediction": isinstance(fields.get("prediction"), (str, list)) and
-                 not all(isinstance(t, int) for t in fields["prediction"])}
+                 "prediction": isinstance(fields.get("prediction"), str) or isinstance(fields.get("prediction"), list)
+                 and any(isinstance(t, (str, dict)) for t in fields["prediction"])}
         opts = fields.get("options")
         if isinstance(opts, GenerationOptions):
             given["stop"] = given["stop"] or bool(opts.stop)
@@ -326,13 +351,24 @@ class Decoder:
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
         self._check_codes(prompt, messages, {**fields, "options": options})
         pred = fields.get("prediction")
-        if isinstance(pred, str) or isinstance(pred, list) and not all(isinstance(t, int) for t in pred):
+        text = getattr(self.target, "has_text", True)
+        if text and (isinstance(pred, str) or isinstance(pred, list) and not all(isinstance(t, int) for t in pred)):
             fields = {**fields, "prediction": tuple(self.prediction_ids(pred)) or None}  # text: tokenized here
+        if options is not None and not isinstance(options, GenerationOptions):
+            raise SpecDecodeError(f"options must be a GenerationOptions, got {type(options).__name__}", param="options")
         options = GenerationOptions.from_kwargs(options, **fields)
+        V = self.target.n_vocab
+        if options.prediction and not all(0 <= t < V for t in options.prediction):
+            bad = next(t for t in options.prediction if not 0 <= t < V)
+            raise SpecDecodeError(f"prediction id {bad} is outside the vocabulary of {self.target.name} (0..{V - 1})",
+                                  param="prediction")
         if prompt_ids is not None:
             if prompt is not None or messages is not None:
                 raise SpecDecodeError("give exactly one of prompt, messages or prompt_ids")
-            return list(prompt_ids), options
+            return _token_ids(prompt_ids, V, self.target.name), options
+        if prompt is None and messages is None and not getattr(self.target, "has_text", True):
+            raise SpecDecodeError(f"give prompt_ids: target {self.target.name} is a model over codes",
+                                  param="prompt_ids")
         return self.prompt_ids(prompt, messages), options
 
     def compare(self, prompt: str | None = None, **kwargs) -> tuple[GenerationResult, GenerationResult, dict]:
@@ -379,6 +415,25 @@ class Decoder:
             # so the logit bound of batched numerics scales by 1 / temperature.
             report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
         return spec, base, report
+
+
+def _token_ids(ids, n_vocab: int, name: str) -> list[int]:
+    """prompt_ids as a list of ints in 0..n_vocab-1 (a list, tuple or 1-D integer array);
+    SpecDecodeError (param prompt_ids) naming what is wrong otherwise."""
+    if isinstance(ids, np.ndarray) and ids.ndim != 1 or not isinstance(ids, (list, tuple, np.ndarray)):
+        raise SpecDecodeError(f"prompt_ids must be a list of integer token ids, got {type(ids).__name__}",
+                              param="prompt_ids")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+        raise SpecDecodeError(f"prompt_ids must be integer token ids, got {list(ids)[:8]!r:.80}", param="prompt_ids")
+    if not len(ids):
+        raise SpecDecodeError("prompt_ids is empty: a generation starts from at least one id (a start or class "
+                              "code)", param="prompt_ids")
+    out = [int(t) for t in ids]
+    bad = next((t for t in out if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise SpecDecodeError(f"prompt_ids: token id {bad} is outside the vocabulary of {name} (0..{n_vocab - 1})",
+                              param="prompt_ids")
+    return out
 
 
 def _speedup(spec: list[GenerationResult], plain: list[GenerationResult]) -> float | None:

@@ -289,7 +289,7 @@ class OutputAccumulator:
         )
 
     def _logprob(self, row: np.ndarray, tok: int) -> TokenLogprob:
-        n = self.n_logprobs or 0
+        n = min(self.n_logprobs or 0, len(row))  # a codebook may be smaller than the N asked for
         lps = _log_softmax(row)
         top = np.argpartition(lps, -n)[-n:] if n > 0 else np.array([], dtype=np.int64)
         top = top[np.argsort(-lps[top])]

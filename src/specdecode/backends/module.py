@@ -50,6 +50,23 @@ from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 FINGERPRINT_ELEMENTS = 4096
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _code_set(ids, n_vocab: int, param: str = "eog_ids") -> frozenset[int]:
+    """ids (integers in 0..n_vocab-1) as a set; SpecDecodeError naming param otherwise."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise SpecDecodeError(f"{param} must be a list of code ids, got {ids!r:.60}", param=param)
+    ids = list(ids)
+    if not all(_is_int(i) for i in ids):
+        raise SpecDecodeError(f"{param} must hold integer code ids, got {ids!r:.60}", param=param)
+    bad = sorted(int(i) for i in ids if not 0 <= i < n_vocab)
+    if bad:
+        raise SpecDecodeError(f"{param} {bad} are outside the codebook 0..{n_vocab - 1}", param=param)
+    return frozenset(int(i) for i in ids)
+
+
 def _import_torch():
     try:
         import torch
@@ -79,8 +96,8 @@ def past_length(past: Any) -> int | None:
     """Positions a cache holds, where it says (its first tensor's axis -2, or get_seq_length())."""
     if past is None:
         return 0
-    if hasattr(past, "get_seq_length"):
-        return int(past.get_seq_length())
+    if hasattr(past, "crop"):
+        return int(past.get_seq_length()) if hasattr(past, "get_seq_length") else None
     while isinstance(past, (tuple, list)) and past:
         past = past[0]
     return int(past.shape[-2]) if hasattr(past, "shape") and len(past.shape) >= 2 else None
@@ -117,14 +134,17 @@ class ModuleBackend(BackendBase):
         if not isinstance(model, torch.nn.Module):
             raise SpecDecodeError(f"model must be a torch.nn.Module, got {type(model).__name__}", param="model")
         for label, v, lo in (("n_vocab", n_vocab, 2), ("n_ctx", n_ctx, 2)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            if not _is_int(v) or v < lo:
                 raise SpecDecodeError(f"{label} = {v!r} is out of range: expected an integer >= {lo}", param=label)
-        eog = frozenset(int(i) for i in eog_ids)
-        bad = sorted(i for i in eog if not 0 <= i < n_vocab)
-        if bad:
-            raise SpecDecodeError(f"eog_ids {bad} are outside the codebook 0..{n_vocab - 1}", param="eog_ids")
+        n_vocab, n_ctx = int(n_vocab), int(n_ctx)
+        eog = _code_set(eog_ids, n_vocab)
         if not isinstance(codebook, str) or not codebook:
             raise SpecDecodeError(f"codebook must be a non-empty name, got {codebook!r}", param="codebook")
+        if not isinstance(kv_cache, bool):
+            raise SpecDecodeError(f"kv_cache must be True or False, got {kv_cache!r}", param="kv_cache")
+        if n_threads is not None and (not _is_int(n_threads) or n_threads < 1):
+            raise SpecDecodeError(f"n_threads = {n_threads!r} is out of range: expected an integer >= 1 or None",
+                                  param="n_threads")
         if n_threads is not None:
             torch.set_num_threads(int(n_threads))
         self.model = model.eval()
@@ -144,7 +164,11 @@ class ModuleBackend(BackendBase):
                 raise SpecDecodeError(f"output_head must be the model's torch.nn.Linear output layer with n_vocab = "
                                       f"{n_vocab} outputs, got {output_head!r:.80}", param="output_head")
             self.supports_hidden_states = True
-            self._hook = output_head.register_forward_hook(self._see)
+
+    def _watch(self) -> None:
+        """The forward hook on output_head (registered while the backend is open; close removes it)."""
+        if self.output_head is not None and self._hook is None:
+            self._hook = self.output_head.register_forward_hook(self._see)
 
     def _see(self, module, inputs, output) -> None:
         self._seen = inputs[0]  # [1, N, H]: the final hidden states of the forward's rows
@@ -206,6 +230,8 @@ class ModuleBackend(BackendBase):
         torch = self._torch
         start = self._kv_len
         self._seen = None
+        if hidden:
+            self._watch()
         with torch.inference_mode():
             if self.kv_cache:
                 out = self.model(torch.tensor([tokens], dtype=torch.long, device=self.device), self._past)
@@ -214,7 +240,11 @@ class ModuleBackend(BackendBase):
                                           f"{type(out).__name__}")
                 logits, past = out
                 have = past_length(past)
-                if have is not None and have != start + len(tokens):
+                if have is None:
+                    raise SpecDecodeError(f"{self.name} returned a cache of type {type(past).__name__}: expected "
+                                          f"tensors [..., L, D] in tuples or lists, or an object with crop(n) and "
+                                          f"get_seq_length()")
+                if have != start + len(tokens):
                     raise SpecDecodeError(f"{self.name} returned a cache of {have} positions after "
                                           f"{start} + {len(tokens)} codes")
                 offset = 0
@@ -223,7 +253,7 @@ class ModuleBackend(BackendBase):
                 logits, past, offset = self.model(ids), None, start
             logits = self._checked(getattr(logits, "logits", logits), offset + len(tokens))
             at = [offset + r for r in rows]
-            picked = logits[0, at].float().cpu().numpy() if rows else empty
+            picked = self._finite(logits[0, at].float().cpu().numpy(), at) if rows else empty
             if hidden and (self._seen is None or tuple(self._seen.shape[:2]) != (1, offset + len(tokens))):
                 raise SpecDecodeError(f"{self.name}: its output_head was not called once on the forward's "
                                       f"[1, {offset + len(tokens)}, H] hidden states")
@@ -234,11 +264,23 @@ class ModuleBackend(BackendBase):
         return picked, rows_h
 
     def _checked(self, logits, n: int):
-        shape = tuple(getattr(logits, "shape", ()))
+        if not isinstance(logits, self._torch.Tensor) or not logits.is_floating_point() or logits.is_meta:
+            raise SpecDecodeError(f"{self.name} returned {type(logits).__name__} "
+                                  f"{getattr(logits, 'dtype', '')}: expected a floating-point torch tensor of logits")
+        shape = tuple(logits.shape)
         if shape != (1, n, self._n_vocab):
             raise SpecDecodeError(f"{self.name} returned logits of shape {shape}: expected (1, {n}, {self._n_vocab}) "
                                   f"(batch 1, one row per code fed, V = n_vocab)")
         return logits
+
+    def _finite(self, rows: np.ndarray, at: Sequence[int]) -> np.ndarray:
+        """rows [M, V], refused where a row has NaN or +inf, or no finite logit (-inf masks are fine)."""
+        bad = np.isnan(rows).any(axis=1) | np.isposinf(rows).any(axis=1) | ~np.isfinite(rows).any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise SpecDecodeError(f"{self.name} returned non-finite logits at position {self._kv_len + at[i]} "
+                                  f"(NaN, +inf, or -inf for every code): no distribution to decode from")
+        return rows
 
     def rollback(self, n: int, seq: int = 0) -> None:
         """Drop positions >= n: the code list is cut, and the model's cache cropped (:func:`crop_past`)."""
@@ -280,6 +322,7 @@ class ModuleBackend(BackendBase):
         return run
 
     def close(self) -> None:
+        """Empty the cache and remove the hook on output_head; the backend may be used again."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
