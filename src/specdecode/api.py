@@ -15,29 +15,25 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .assembly import registry
-from .backends.base import Backend
+from .backends.base import Backend, claim_backends, release_backends
 from .drafters import NoDrafter
 from .drafters.kinds import check_draft_options
 from .engine import Generation, SpeculativeEngine, drive
 from .errors import SpecDecodeError
 from .drafters.trees import set_tree_options
 from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
-    check_num_speculative_tokens, check_max_tree_nodes, check_parallel, check_text, check_tree_width
+    check_num_speculative_tokens, check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
+    check_tree_width
 from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
 from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
 from .parity import NEAR_TIE_GAP, parity_report
 from .request import GenerationOptions
-
-
-# Loaded backends that a Decoder was given and holds (see Decoder._claim).
-_IN_USE: "weakref.WeakSet[Backend]" = weakref.WeakSet()
 
 
 class Decoder:
@@ -110,10 +106,10 @@ class Decoder:
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         check_tree_width(tree_width)  # before anything loads
         check_max_tree_nodes(max_tree_nodes)
-        given = self._claim(target, draft)
+        given = claim_backends(target, draft)
         if isinstance(target, Backend):
             if parallel > target.n_seq:
-                _IN_USE.difference_update(given)
+                release_backends(given)
                 raise SpecDecodeError(f"target {target.name} holds {target.n_seq} sequence(s): parallel = {parallel} "
                                       f"needs as many", param="parallel")
             self.target = target
@@ -135,7 +131,7 @@ class Decoder:
             self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance,
                                             max_tree_nodes=max_tree_nodes)
         except BaseException:
-            _IN_USE.difference_update(given)
+            release_backends(given)
             if self.target not in given:  # a backend the caller gave stays theirs, as it was
                 self.target.close()
             raise
@@ -154,25 +150,7 @@ class Decoder:
             self._lock.notify_all()
         self.drafter.close()
         self.target.close()
-        _IN_USE.difference_update(self._given)
-
-    @staticmethod
-    def _claim(target, draft) -> list[Backend]:
-        """The loaded backends given (target, draft), claimed for this Decoder: one holds one
-        sequence's cache, so it serves one Decoder, as target or draft model, not both.
-        Raises SpecDecodeError naming the backend otherwise."""
-        given = [b for b in (target, draft) if isinstance(b, Backend)]
-        if len(given) == 2 and given[0] is given[1]:
-            raise SpecDecodeError(f"draft and target are the same backend {target.name}: each holds its own cache, "
-                                  f"so the draft model needs a backend of its own (wrap the module again)",
-                                  param="draft")
-        for b, param in zip(given, ["target", "draft"] if isinstance(target, Backend) else ["draft"]):
-            if b in _IN_USE:
-                raise SpecDecodeError(f"{param} {b.name} is in use by another Decoder (a backend holds one "
-                                      f"sequence's cache): close that Decoder first, or give this one a backend of "
-                                      f"its own (ModuleBackend over the same module)", param=param)
-        _IN_USE.update(given)
-        return given
+        release_backends(self._given)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -365,7 +343,7 @@ class Decoder:
         if prompt_ids is not None:
             if prompt is not None or messages is not None:
                 raise SpecDecodeError("give exactly one of prompt, messages or prompt_ids")
-            return _token_ids(prompt_ids, V, self.target.name), options
+            return check_token_ids(prompt_ids, V, self.target.name), options
         if prompt is None and messages is None and not getattr(self.target, "has_text", True):
             raise SpecDecodeError(f"give prompt_ids: target {self.target.name} is a model over codes",
                                   param="prompt_ids")
@@ -415,25 +393,6 @@ class Decoder:
             # so the logit bound of batched numerics scales by 1 / temperature.
             report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
         return spec, base, report
-
-
-def _token_ids(ids, n_vocab: int, name: str) -> list[int]:
-    """prompt_ids as a list of ints in 0..n_vocab-1 (a list, tuple or 1-D integer array);
-    SpecDecodeError (param prompt_ids) naming what is wrong otherwise."""
-    if isinstance(ids, np.ndarray) and ids.ndim != 1 or not isinstance(ids, (list, tuple, np.ndarray)):
-        raise SpecDecodeError(f"prompt_ids must be a list of integer token ids, got {type(ids).__name__}",
-                              param="prompt_ids")
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
-        raise SpecDecodeError(f"prompt_ids must be integer token ids, got {list(ids)[:8]!r:.80}", param="prompt_ids")
-    if not len(ids):
-        raise SpecDecodeError("prompt_ids is empty: a generation starts from at least one id (a start or class "
-                              "code)", param="prompt_ids")
-    out = [int(t) for t in ids]
-    bad = next((t for t in out if not 0 <= t < n_vocab), None)
-    if bad is not None:
-        raise SpecDecodeError(f"prompt_ids: token id {bad} is outside the vocabulary of {name} (0..{n_vocab - 1})",
-                              param="prompt_ids")
-    return out
 
 
 def _speedup(spec: list[GenerationResult], plain: list[GenerationResult]) -> float | None:

@@ -6,6 +6,8 @@ Units: tokens for lengths and counts.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import SpecDecodeError
 
 # K, drafted tokens per step: the most a fixed K may ask for (vLLM's MAX_SPEC_LEN plays
@@ -154,3 +156,22 @@ def check_text(value: str, name: str) -> str:
             what = f"a lone surrogate U+{ord(bad):04X} is not a character"
         raise SpecDecodeError(f"{name} is not valid text: {what} (at character {e.start})", param=name) from None
     return value
+
+
+def check_token_ids(ids, n_vocab: int, name: str) -> list[int]:
+    """prompt_ids as a list of ints in 0..n_vocab-1 (a list, tuple or 1-D integer array);
+    SpecDecodeError (param prompt_ids) naming what is wrong otherwise."""
+    if isinstance(ids, np.ndarray) and ids.ndim != 1 or not isinstance(ids, (list, tuple, np.ndarray)):
+        raise SpecDecodeError(f"prompt_ids must be a list of integer token ids, got {type(ids).__name__}",
+                              param="prompt_ids")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+        raise SpecDecodeError(f"prompt_ids must be integer token ids, got {list(ids)[:8]!r:.80}", param="prompt_ids")
+    if not len(ids):
+        raise SpecDecodeError("prompt_ids is empty: a generation starts from at least one id (a start or class "
+                              "code)", param="prompt_ids")
+    out = [int(t) for t in ids]
+    bad = next((t for t in out if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise SpecDecodeError(f"prompt_ids: token id {bad} is outside the vocabulary of {name} (0..{n_vocab - 1})",
+                              param="prompt_ids")
+    return out
