@@ -352,3 +352,16 @@ def test_bad_ids_options_and_caches_are_refused_by_name():
     with pytest.raises(SpecDecodeError, match="cache of type dict"):
         odd.forward([0, 1], logits_for=[1])
     assert odd.kv_len == 0
+
+
+def test_a_call_names_the_loaded_draft_model_and_a_wrong_kv_cache_mode_is_explained():
+    with Decoder(target=backend(TARGET, True), draft=backend(DRAFT, True, "near-chain"), num_speculative_tokens=3,
+                 progress=False) as dec:
+        for name in ("near-chain", "model"):
+            assert dec.generate_ids([2], max_tokens=12, draft=name).token_ids == argmax_path(TARGET, 2, 12)
+        with pytest.raises(SpecDecodeError, match="drafters its Decoder loaded"):
+            dec.generate_ids([2], draft="ngram")
+    with pytest.raises(SpecDecodeError, match="needs kv_cache=False"):
+        ModuleBackend(Markov(TARGET), n_vocab=V, kv_cache=True).forward([0], [0])
+    with pytest.raises(SpecDecodeError, match="needs kv_cache=True"):
+        ModuleBackend(CachedMarkov(TARGET), n_vocab=V, kv_cache=False).forward([0], [0])

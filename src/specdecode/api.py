@@ -221,7 +221,7 @@ class Decoder:
         output stays the target's), draft (which loaded drafter this call may use: "auto",
         "none", "ngram", "suffix", "prediction" or the draft model's name), record_top2_gaps (the
         target's top-2 logit gap per token, for parity reports), grammar (structured output,
-        e.g. ``Grammar.json_schema({...})``, ``Grammar("regex", "[0-9]+")``, ``Grammar("lark",
+        e.g. ``specdecode.grammar.Grammar.json_schema({...})``, ``Grammar("regex", "[0-9]+")``, ``Grammar("lark",
         ...)``, ``Grammar("json_object")``: the output matches it, as plain constrained
         decoding), and the fields of :class:`SamplingParams` (temperature, top_p, top_k,
         min_p, repetition_penalty, frequency_penalty, presence_penalty, seed; temperature 0,

@@ -162,7 +162,8 @@ def check_token_ids(ids, n_vocab: int, name: str) -> list[int]:
     """prompt_ids as a list of ints in 0..n_vocab-1 (a list, tuple or 1-D integer array);
     SpecDecodeError (param prompt_ids) naming what is wrong otherwise."""
     if isinstance(ids, np.ndarray) and ids.ndim != 1 or not isinstance(ids, (list, tuple, np.ndarray)):
-        raise SpecDecodeError(f"prompt_ids must be a list of integer token ids, got {type(ids).__name__}",
+        hint = " (call .tolist())" if hasattr(ids, "tolist") else ""
+        raise SpecDecodeError(f"prompt_ids must be a list of integer token ids, got {type(ids).__name__}{hint}",
                               param="prompt_ids")
     if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
         raise SpecDecodeError(f"prompt_ids must be integer token ids, got {list(ids)[:8]!r:.80}", param="prompt_ids")

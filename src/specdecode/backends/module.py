@@ -234,7 +234,7 @@ class ModuleBackend(BackendBase):
             self._watch()
         with torch.inference_mode():
             if self.kv_cache:
-                out = self.model(torch.tensor([tokens], dtype=torch.long, device=self.device), self._past)
+                out = self._call(torch.tensor([tokens], dtype=torch.long, device=self.device), self._past)
                 if not (isinstance(out, (tuple, list)) and len(out) == 2):
                     raise SpecDecodeError(f"{self.name} (kv_cache=True) must return (logits, past), got "
                                           f"{type(out).__name__}")
@@ -263,10 +263,22 @@ class ModuleBackend(BackendBase):
         self._kv_len = start + len(tokens)
         return picked, rows_h
 
+    def _call(self, ids, past):
+        """model(ids, past), saying so when the model takes no cache."""
+        try:
+            return self.model(ids, past)
+        except TypeError as e:
+            if "positional argument" not in str(e):
+                raise
+            raise SpecDecodeError(f"{self.name} was called as model(ids, past) because kv_cache=True, and refused: "
+                                  f"{e} (a model called as model(ids) needs kv_cache=False)") from e
+
     def _checked(self, logits, n: int):
         if not isinstance(logits, self._torch.Tensor) or not logits.is_floating_point() or logits.is_meta:
+            hint = " (a model that returns (logits, past) needs kv_cache=True)" if isinstance(logits, tuple) else ""
             raise SpecDecodeError(f"{self.name} returned {type(logits).__name__} "
-                                  f"{getattr(logits, 'dtype', '')}: expected a floating-point torch tensor of logits")
+                                  f"{getattr(logits, 'dtype', '')}: expected a floating-point torch tensor of logits"
+                                  f"{hint}")
         shape = tuple(logits.shape)
         if shape != (1, n, self._n_vocab):
             raise SpecDecodeError(f"{self.name} returned logits of shape {shape}: expected (1, {n}, {self._n_vocab}) "

@@ -129,9 +129,9 @@ def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, predi
                 restrict([draft], fixed=fixed)
             except ValueError as e:
                 raise SpecDecodeError(str(e), param="draft") from None
-        elif draft != drafter.name:
-            raise SpecDecodeError(f"draft {draft!r} is not loaded: this engine drafts with {drafter.name!r} only",
-                                  param="draft")
+        elif draft not in (drafter.name, getattr(getattr(drafter, "backend", None), "name", drafter.name)):
+            raise SpecDecodeError(f"draft {draft!r} is not loaded: this engine drafts with {drafter.name!r} only "
+                                  f"(a request chooses among the drafters its Decoder loaded)", param="draft")
     elif draft == "auto" and restrict is None:
         raise SpecDecodeError(f"draft 'auto' needs the cost-aware controller (-k auto); this engine drafts with "
                               f"{drafter.name!r} at a fixed K", param="draft")

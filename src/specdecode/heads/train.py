@@ -225,7 +225,7 @@ def train_heads_on_ids(backend, sequences, cfg: TrainConfig | None = None, progr
     if wins.ndim != 2 or len(wins) < 2 or wins.shape[1] <= cfg.heads:
         raise SpecDecodeError(f"sequences of shape {wins.shape}: expected [N >= 2, T > {cfg.heads} heads]",
                               param="sequences")
-    check_config(replace(cfg, window=wins.shape[1], tokens=max(cfg.tokens, 256)))
+    check_config(replace(cfg, window=max(8, wins.shape[1]), tokens=max(cfg.tokens, 256)))  # no window here
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     wins = wins[np.random.default_rng(cfg.seed).permutation(len(wins))]
