@@ -81,6 +81,11 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_index(value: object) -> bool:
+    """An integer id or size, numpy's integers included (not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _shown(name: str, value: object) -> str:
     """How an error shows a value: "--logprobs 50" for a command-line option, else "logprobs = 50"."""
     return f"{name} {value}" if name.startswith("--") else f"{name} = {value!r}"
@@ -165,7 +170,7 @@ def check_token_ids(ids, n_vocab: int, name: str) -> list[int]:
         hint = " (call .tolist())" if hasattr(ids, "tolist") else ""
         raise SpecDecodeError(f"prompt_ids must be a list of integer token ids, got {type(ids).__name__}{hint}",
                               param="prompt_ids")
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+    if not all(is_index(t) for t in ids):
         raise SpecDecodeError(f"prompt_ids must be integer token ids, got {list(ids)[:8]!r:.80}", param="prompt_ids")
     if not len(ids):
         raise SpecDecodeError("prompt_ids is empty: a generation starts from at least one id (a start or class "

@@ -43,6 +43,7 @@ from typing import Any, Collection, Iterable, Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
+from ..limits import is_index
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 # Elements of each parameter hashed into the cost key (strided over the tensor): enough to
@@ -50,16 +51,12 @@ from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 FINGERPRINT_ELEMENTS = 4096
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def _code_set(ids, n_vocab: int, param: str = "eog_ids") -> frozenset[int]:
     """ids (integers in 0..n_vocab-1) as a set; SpecDecodeError naming param otherwise."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise SpecDecodeError(f"{param} must be a list of code ids, got {ids!r:.60}", param=param)
     ids = list(ids)
-    if not all(_is_int(i) for i in ids):
+    if not all(is_index(i) for i in ids):
         raise SpecDecodeError(f"{param} must hold integer code ids, got {ids!r:.60}", param=param)
     bad = sorted(int(i) for i in ids if not 0 <= i < n_vocab)
     if bad:
@@ -134,7 +131,7 @@ class ModuleBackend(BackendBase):
         if not isinstance(model, torch.nn.Module):
             raise SpecDecodeError(f"model must be a torch.nn.Module, got {type(model).__name__}", param="model")
         for label, v, lo in (("n_vocab", n_vocab, 2), ("n_ctx", n_ctx, 2)):
-            if not _is_int(v) or v < lo:
+            if not is_index(v) or v < lo:
                 raise SpecDecodeError(f"{label} = {v!r} is out of range: expected an integer >= {lo}", param=label)
         n_vocab, n_ctx = int(n_vocab), int(n_ctx)
         eog = _code_set(eog_ids, n_vocab)
@@ -142,7 +139,7 @@ class ModuleBackend(BackendBase):
             raise SpecDecodeError(f"codebook must be a non-empty name, got {codebook!r}", param="codebook")
         if not isinstance(kv_cache, bool):
             raise SpecDecodeError(f"kv_cache must be True or False, got {kv_cache!r}", param="kv_cache")
-        if n_threads is not None and (not _is_int(n_threads) or n_threads < 1):
+        if n_threads is not None and (not is_index(n_threads) or n_threads < 1):
             raise SpecDecodeError(f"n_threads = {n_threads!r} is out of range: expected an integer >= 1 or None",
                                   param="n_threads")
         if n_threads is not None:
@@ -287,7 +284,7 @@ class ModuleBackend(BackendBase):
 
     def _finite(self, rows: np.ndarray, at: Sequence[int]) -> np.ndarray:
         """rows [M, V], refused where a row has NaN or +inf, or no finite logit (-inf masks are fine)."""
-        bad = np.isnan(rows).any(axis=1) | np.isposinf(rows).any(axis=1) | ~np.isfinite(rows).any(axis=1)
+        bad = ~np.isfinite(rows.max(axis=1))  # a NaN, a +inf, or -inf everywhere: one pass
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise SpecDecodeError(f"{self.name} returned non-finite logits at position {self._kv_len + at[i]} "
