@@ -359,7 +359,7 @@ class Accs(dict):
 def measure(model: str, cfg_name: str, steps: int, n_prompts: int, sets: list[str], long_steps: int,
             gen_steps: int = 448) -> dict:
     import llama_cpp
-    from specdecode.backends.llama_cpp import extra_buffers_are_safe
+    from specdecode.backends.llama_lib import extra_buffers_are_safe
 
     cfg = CONFIGS[cfg_name]
     t0 = time.time()

@@ -418,9 +418,9 @@ def test_bad_input_gets_4xx_with_openai_error(http, endpoint, body, status, para
 
 def test_malformed_requests_and_routes(http, client):
     check_error(http.post("/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"}), 400)
-    check_error(http.post("/v1/completions", content=b"[1, 2]"), 400)
-    check_error(http.post("/v1/chat/completions", content=b'{"model": NaN}'), 400)
-    check_error(http.post("/v1/chat/completions", content=b"\xff\xfe"), 400)
+    check_error(http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    check_error(http.post("/v1/chat/completions", content=b'{"model": NaN}', headers={"content-type": "application/json"}), 400)
+    check_error(http.post("/v1/chat/completions", content=b"\xff\xfe", headers={"content-type": "application/json"}), 400)
     check_error(http.get("/v1/nothing-here"), 404)
     check_error(http.get("/v1/completions"), 405)
     with pytest.raises(openai.BadRequestError) as e:
@@ -521,7 +521,7 @@ def test_oversized_body_gets_413_and_the_server_stays_healthy(guarded, http, cli
             for i in range(0, len(big), 1000):
                 yield big[i:i + 1000]
 
-        err = check_error(h.post("/v1/chat/completions", content=chunked()), 413)
+        err = check_error(h.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
         assert err["code"] == "request_too_large"
         assert h.get("/health").json()["status"] == "ok"
         after = metrics(h)
@@ -536,7 +536,7 @@ def test_oversized_body_gets_413_and_the_server_stays_healthy(guarded, http, cli
 
     # The default limit, 4 MiB, on the open server.
     huge = b'{"model": "' + b"m" * (4 << 20) + b'"}'
-    check_error(http.post("/v1/completions", content=huge), 413)
+    check_error(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}), 413)
     assert http.get("/health").json()["status"] == "ok"
     assert greedy_completion(client, PROMPTS[0], 2).usage.completion_tokens >= 1
 

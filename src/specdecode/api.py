@@ -13,9 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -68,7 +69,8 @@ class Decoder:
         A request's own max_tree_nodes overrides it. tree_width: candidates per tree node.
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
-    around each tokenization, begin, step and end), so generations from several threads
+    around each begin, step and end, and each tokenization unless the target's tokenizer is
+    thread-safe, ``thread_safe_tokenizer``), so generations from several threads
     proceed step by step in turn, each in its own slot. A thread that needs a slot while
     every slot is held by another thread's generation waits for one to end; a thread whose
     own unfinished generations hold every slot (e.g. a stream it has not exhausted or
@@ -96,8 +98,9 @@ class Decoder:
         max_tree_nodes: int | None = None,
         tree_width: int = DEFAULT_TREE_WIDTH,
     ) -> None:
-        self.target_name = target
-        self.draft_name = draft
+        # Names (a loaded backend's own), as the server and the statistics report them.
+        self.target_name = target.name if isinstance(target, Backend) else target
+        self.draft_name = draft.name if isinstance(draft, Backend) else draft
         k = check_num_speculative_tokens(num_speculative_tokens)
         if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
             raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
@@ -174,8 +177,13 @@ class Decoder:
         if tools and messages is None:
             raise SpecDecodeError("tools are presented by the chat template: give messages, not a prompt",
                                   param="tools")
-        with self._lock:
+        with self._tokenizer_lock():
             return self._prompt_ids(prompt, messages, tools)
+
+    def _tokenizer_lock(self) -> Any:
+        """What a tokenization holds: nothing where the target's tokenizer is thread-safe (a
+        server prepares requests on another thread while generations step), else the lock."""
+        return contextlib.nullcontext() if self.target.thread_safe_tokenizer else self._lock
 
     def _prompt_ids(self, prompt: str | None, messages: Sequence[dict] | None,
                     tools: Sequence[dict] | None = None) -> list[int]:
@@ -292,7 +300,7 @@ class Decoder:
             prediction = "".join(p["text"] for p in prediction)
         if not isinstance(prediction, str):
             raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}", param="prediction")
-        with self._lock:
+        with self._tokenizer_lock():
             self._check_open()
             return self.target.tokenize(check_text(prediction, "prediction"), add_special=False, parse_special=False)
 

@@ -27,6 +27,7 @@ Dimension letters: V = vocabulary size, K = drafted tokens.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -127,27 +128,34 @@ def lltokenizer(backend: "Backend"):
 # and copying a compiled matcher costs far less than compiling it.
 _COMPILED: "OrderedDict[tuple[int, Grammar], object]" = OrderedDict()
 _COMPILED_MAX = 64
+# A server compiles a request's grammar on its preparation thread while the worker copies
+# matchers from the cache (grammar.check_grammar there, GrammarConstraint here).
+_COMPILED_LOCK = threading.Lock()
 
 
 def _compiled(grammar: Grammar, tok) -> object:
     """A fresh llguidance matcher of the grammar (kept to be copied); raises SpecDecodeError
     naming the grammar with llguidance's message when it does not compile."""
     key = (id(tok), grammar)
-    matcher = _COMPILED.get(key)
-    if matcher is None:
-        llg = _llguidance()
-        try:
-            matcher = llg.LLMatcher(tok, grammar.llguidance_grammar(), log_level=0)
-            error = matcher.get_error() if matcher.is_error() else ""
-        except ValueError as e:
-            error = str(e)
-        if error:
-            one_line = " ".join(error.split())  # llguidance points at the place over several lines
-            raise SpecDecodeError(f"{grammar.name}: the grammar cannot be compiled: {one_line}", param=grammar.name)
+    with _COMPILED_LOCK:
+        matcher = _COMPILED.get(key)
+        if matcher is not None:
+            _COMPILED.move_to_end(key)
+            return matcher
+    llg = _llguidance()
+    try:
+        matcher = llg.LLMatcher(tok, grammar.llguidance_grammar(), log_level=0)
+        error = matcher.get_error() if matcher.is_error() else ""
+    except ValueError as e:
+        error = str(e)
+    if error:
+        one_line = " ".join(error.split())  # llguidance points at the place over several lines
+        raise SpecDecodeError(f"{grammar.name}: the grammar cannot be compiled: {one_line}", param=grammar.name)
+    with _COMPILED_LOCK:
         _COMPILED[key] = matcher
+        _COMPILED.move_to_end(key)
         if len(_COMPILED) > _COMPILED_MAX:
             _COMPILED.popitem(last=False)
-    _COMPILED.move_to_end(key)
     return matcher
 
 

@@ -90,6 +90,7 @@ class Backend(Protocol):
     max_tree_leaves: int  # the most leaves (branches) a tree forward_tree() verifies may have
     supports_tree_draft: bool  # forward_rows(): rows under an explicit mask (a draft model grows a tree)
     has_text: bool  # a tokenizer and text (False: a model over codes, ModuleBackend)
+    thread_safe_tokenizer: bool  # tokenize() may run on any thread, also while another runs a forward
     # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
     invariant_block: int | None
 
@@ -202,6 +203,7 @@ class BackendBase:
     max_tree_leaves = 1 << 30
     supports_tree_draft = False
     has_text = True
+    thread_safe_tokenizer = False
     invariant_block: int | None = None
     chat_template: str | None = None  # a backend whose model has one overrides this
     _n_vocab: int

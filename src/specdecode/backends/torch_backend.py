@@ -107,6 +107,8 @@ class TorchBackend(BackendBase):
         self._torch = torch
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # A fast (Rust) tokenizer encodes from any thread (encode borrows it immutably).
+        self.thread_safe_tokenizer = bool(getattr(tokenizer, "is_fast", False))
         self.name = name
         max_pos = getattr(model.config, "max_position_embeddings", None)
         if max_pos:

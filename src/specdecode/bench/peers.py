@@ -15,7 +15,8 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 from ..assembly import registry
 from ..backends.base import Backend
-from ..backends.llama_cpp import LlamaCppBackend, extra_buffers_are_safe
+from ..backends.llama_cpp import LlamaCppBackend
+from ..backends.llama_lib import extra_buffers_are_safe
 from ..engine import SpeculativeEngine
 
 # Tokens each peer drafts per step: LlamaPromptLookupDecoding's default, and the value of

@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
-import hmac
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from .access import AccessGuard, APIKeyGuard, HostOriginPolicy, drain, error_response, require_json
 from .config import ServerOptions
 from .metrics import Metrics
 from .page import UI_FILES, cost_view, info_view, ui_file
@@ -28,58 +27,9 @@ if TYPE_CHECKING:
     from fastapi.responses import JSONResponse, Response
 
 
-def error_response(e: APIError) -> JSONResponse:
-    """e as a JSON response with its status (a 429 also says when to retry, in seconds; a
-    401 names the scheme expected)."""
-    from fastapi.responses import JSONResponse
-
-    headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    body = e.body()
-    try:
-        return JSONResponse(body, status_code=e.status, headers=headers)
-    except UnicodeEncodeError:  # a message quoting text that is no Unicode (a lone surrogate): escaped
-        error = {k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
-                 for k, v in body["error"].items()}
-        return JSONResponse({"error": error}, status_code=e.status, headers=headers)
-
-
 # Paths served without the API key: liveness and monitoring, and the page's files (the page
 # asks for the key itself): no generated text.
 OPEN_PATHS = frozenset({"/health", "/metrics", *UI_FILES})
-
-
-class _APIKeyGuard:
-    """ASGI middleware: every HTTP request but those for OPEN_PATHS (so every /v1 request,
-    and any path that is no route) must carry ``Authorization: Bearer <key>``; any other
-    answers 401 (code invalid_api_key) before its body is read or anything reaches the
-    worker. The keys are compared in constant time (hmac.compare_digest), as SHA-256
-    digests, so that neither their content nor their length shows in the timing."""
-
-    def __init__(self, app: Any, api_key: str, on_reject: Callable[[], None]) -> None:
-        self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
-        self._on_reject = on_reject
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            error = self._check(dict(scope["headers"]).get(b"authorization"))
-            if error is not None:
-                self._on_reject()
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _check(self, header: bytes | None) -> APIError | None:
-        """None when header is "Bearer <the key>", else the 401 to answer."""
-        if header is None:
-            return APIError(401, "no API key given: send it in an Authorization header (Authorization: Bearer "
-                            "YOUR_KEY)", code="invalid_api_key")
-        scheme, _, given = header.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not given.strip():
-            return APIError(401, "the Authorization header must be 'Bearer YOUR_KEY'", code="invalid_api_key")
-        if not hmac.compare_digest(hashlib.sha256(given.strip()).digest(), self._digest):
-            return APIError(401, "incorrect API key provided", code="invalid_api_key")
-        return None
 
 
 class _Disconnected(Exception):
@@ -104,20 +54,30 @@ async def _next_event(job: Job, disconnect: asyncio.Task) -> tuple[str, Any]:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes: a larger one is refused (413) from its
-    Content-Length before anything is read, or, sent without one (chunked), as soon as
-    what has arrived passes the limit. The rest of a refused body is never kept."""
+    """The request body, at most ``limit`` bytes: a larger one is refused (413), from its
+    Content-Length or, sent without one (chunked), once what has arrived passes the limit.
+    Either way the rest is read to its end and discarded first (:func:`.access.drain`), so
+    that the client gets the 413 rather than a reset connection; nothing past the limit is
+    kept. A body not sent as JSON is refused (415) the same way."""
     def too_large(size: str) -> APIError:
         return APIError(413, f"the request body has {size} bytes, more than this server reads ({limit} bytes, "
                         "--max-body-bytes)", code="request_too_large")
 
+    try:
+        require_json(request.headers.get("content-type"))
+    except APIError:
+        await drain(request.scope, request.receive)
+        raise
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
+        await drain(request.scope, request.receive)
         raise too_large(length)
     body = bytearray()
     async for piece in request.stream():
         body += piece
         if len(body) > limit:
+            body.clear()
+            await drain(request.scope, request.receive)
             raise too_large(f"over {limit}")
     return bytes(body)
 
@@ -159,9 +119,18 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
     app.state.model_name = options.model_name
     app.state.options = options
     app.state.replica = None  # set by a Ray Serve replica (server.ray_serve)
+    # Middleware added last runs first: Host and Origin, then CORS (which answers a listed
+    # origin's preflight), then the API key.
     if options.api_key is not None:
-        app.add_middleware(_APIKeyGuard, api_key=options.api_key,
+        app.add_middleware(APIKeyGuard, api_key=options.api_key, open_paths=OPEN_PATHS,
                            on_reject=lambda: worker.metrics.rejected.labels(reason="unauthorized").inc())
+    if options.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(AccessGuard, policy=HostOriginPolicy(options.host, options.allowed_hosts, options.cors_origins),
+                       on_reject=lambda: worker.metrics.rejected.labels(reason="forbidden").inc())
     _add_error_handlers(app)
     _Routes(app, decoder, options, worker).add_to(app)
     return app
@@ -250,7 +219,9 @@ class _Routes:
         from fastapi.responses import Response
 
         content, media = ui_file(request.url.path)
-        return Response(content, media_type=media, headers={"Cache-Control": "no-cache"})
+        # No other site may frame the page (a hidden frame could send its ?prompt= request).
+        return Response(content, media_type=media, headers={"Cache-Control": "no-cache", "X-Frame-Options": "DENY",
+                                                            "Content-Security-Policy": "frame-ancestors 'none'"})
 
     async def info(self, request: Request) -> Response:
         from fastapi.responses import JSONResponse
@@ -314,17 +285,21 @@ class _Routes:
                                      on_close=lambda: self.worker.cancel(job))
 
     async def _submit(self, request: Request, kind: str) -> Job:
-        """The request's job, queued on the worker. Raises APIError (counted as rejected)
-        for a body too large, invalid or for another model, and 429 for a full queue."""
+        """The request's job, prepared (:meth:`Worker.prepare`, off the worker thread) and
+        queued on the worker. Raises APIError (counted as rejected) for a body not sent as
+        JSON (415), too large (413), invalid, refused when prepared (400) or for another
+        model (404), and 429 for a full queue."""
         arrival = time.perf_counter()
         try:
             body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
             req = parse_request(body, kind, self.model_name, self.worker.n_ctx, self.worker.tool_format)
+            prepared = await self.worker.prepare_async(req)
         except APIError as e:
-            reason = {404: "model_not_found", 413: "too_large"}.get(e.status, "invalid_request")
+            reason = {404: "model_not_found", 413: "too_large", 415: "unsupported_media_type",
+                      503: "shutting_down"}.get(e.status, "invalid_request")
             self.metrics.rejected.labels(reason=reason).inc()
             raise
-        job = Job(req, asyncio.get_running_loop(), arrival)
+        job = Job(req, asyncio.get_running_loop(), arrival, prepared)
         if not self.worker.submit(job):
             if self.worker.stopping:
                 raise APIError(503, "the server is shutting down", type="server_error")

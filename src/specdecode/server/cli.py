@@ -14,7 +14,8 @@ from typing import Callable
 
 from ..errors import SpecDecodeError
 from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
-from .config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_PORT, ServerOptions
+from .config import (DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_PORT, PREDICTION_BYTES_PER_TOKEN,
+                     ServerOptions)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The environment variable that gives the API key when --api-key does not (so that the key
@@ -53,6 +54,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             print(f"specdecode: serving on {options.host}: the API key protects /v1; /health and /metrics stay open",
                   flush=True)
+        if not options.allowed_hosts:
+            print("specdecode: clients must reach the server by IP address or localhost; for a host name, add "
+                  "--allowed-hosts NAME (other Host headers get 403)", flush=True)
     if options.on_ray:
         return _serve_on_ray(args, options)
     if options.metrics_port is not None:
@@ -111,7 +115,7 @@ def _serve_on_ray(args: argparse.Namespace, options: ServerOptions) -> int:
     check_model_args(args)
     kwargs = decoder_kwargs(args, progress=False)
     if kwargs["n_threads"] is None:  # share the cores among the replicas of this machine
-        from ..backends.llama_cpp import default_threads
+        from ..backends.llama_lib import default_threads
 
         kwargs["n_threads"] = max(1, default_threads() // (options.replicas or 1))
     serve_replicas(kwargs, options)
@@ -143,6 +147,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         f"environment variable keeps the key out of the process list")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body read, in bytes; a larger one gets 413 (default: %(default)s = 4 MiB)")
+    s.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="Host names to serve besides localhost, loopback addresses and --host (e.g. my-box.local, "
+                        "the name a proxy forwards; * for any). Other Host headers get 403: a web page whose site "
+                        "re-points its name to this machine (DNS rebinding) cannot use the server")
+    s.add_argument("--cors-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="origins whose web pages may call the server (e.g. http://localhost:3000), answered with "
+                        "CORS headers; a request from any other site's page gets 403. Default: none but the "
+                        "server's own page")
+    s.add_argument("--max-prediction-tokens", type=int, default=None, metavar="N",
+                   help=f"the longest prediction a request may send, in tokens (default: the context size; "
+                        f"its text may hold {PREDICTION_BYTES_PER_TOKEN} bytes a token); longer ones get 400")
     s.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the page at / (a chat that shows which tokens the drafts gave, the speed "
                         "against plain decoding and the cost curve)")

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ..errors import SpecDecodeError
 from ..limits import is_int
+from .access import normalize_origin
 
 # Requests that may wait for a slot (the --parallel slots run requests at once, in shared
 # batched steps); more get 429.
@@ -27,6 +28,9 @@ DEFAULT_MAX_QUEUE = 16
 # holds any prompt that fits a context of tens of thousands of tokens, JSON included.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_HOST = "127.0.0.1"
+# The most bytes of prediction text per allowed token (checked before tokenizing: code runs
+# at 3-5 bytes a token, a long run of spaces at a few dozen).
+PREDICTION_BYTES_PER_TOKEN = 16
 DEFAULT_PORT = 8000
 
 
@@ -80,6 +84,13 @@ class ServerOptions:
     num_cpus: CPUs each Ray replica reserves (None: its llama.cpp threads).
     metrics_port: with Ray, each replica also serves its /metrics on metrics_port + rank.
     ui: serve the page at ``/`` (:mod:`specdecode.server.ui`); ``serve --no-ui`` turns it off.
+    allowed_hosts: Host names served besides localhost, loopback addresses and ``host``
+        (``"*"``: any; see :mod:`.access`); a request naming another gets 403.
+    cors_origins: origins (``scheme://host[:port]``, ``"*"``, ``"null"``) whose web pages may
+        call the server, with CORS headers; a request from another site's page gets 403.
+    max_prediction_tokens: the longest ``prediction`` a request may send, in tokens (None:
+        the target's context size; its text may hold PREDICTION_BYTES_PER_TOKEN bytes per
+        token); a longer one gets 400 naming ``prediction``.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -96,6 +107,9 @@ class ServerOptions:
     num_cpus: float | None = None
     metrics_port: int | None = None
     ui: bool = True
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    max_prediction_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_name", "host"):
@@ -111,6 +125,8 @@ class ServerOptions:
         _check_int("max_body_bytes", self.max_body_bytes, 1)
         _check_int("replicas", self.replicas, 1, optional=True)
         _check_int("metrics_port", self.metrics_port, 1, 65535, optional=True)
+        _check_int("max_prediction_tokens", self.max_prediction_tokens, 1, optional=True)
+        self._check_names()
         for name in ("warmup", "ui"):
             if not isinstance(getattr(self, name), bool):
                 raise _OptionError(name, getattr(self, name), "True or False", problem="is not valid")
@@ -120,6 +136,20 @@ class ServerOptions:
         if self.num_cpus is not None and (not isinstance(self.num_cpus, (int, float)) or
                                           isinstance(self.num_cpus, bool) or not self.num_cpus > 0):
             raise _OptionError("num_cpus", self.num_cpus, "a number > 0")
+
+    def _check_names(self) -> None:
+        """allowed_hosts and cors_origins: tuples (a list or one string is taken) of host
+        names and of origins."""
+        for name, ok, expected in (
+                ("allowed_hosts", lambda h: h == "*" or (h and not any(c in h for c in " /@,")),
+                 "host names such as my-box.local (or *: any)"),
+                ("cors_origins", lambda o: o == "*" or normalize_origin(o) is not None,
+                 "origins such as http://localhost:3000 (scheme://host[:port], or *: any, null: sandboxed pages)")):
+            value = getattr(self, name)
+            items = (value,) if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) and ok(i) for i in items):
+                raise _OptionError(name, value, expected, problem="is not valid")
+            object.__setattr__(self, name, tuple(items))
 
     @property
     def on_ray(self) -> bool:
@@ -136,7 +166,9 @@ class ServerOptions:
         try:
             return cls(model_name=args.target, host=args.host, port=args.port, max_queue=args.max_queue,
                        max_body_bytes=args.max_body_bytes, api_key=api_key, warmup=True, replicas=args.replicas,
-                       autoscaling=autoscaling, metrics_port=args.metrics_port, ui=args.ui)
+                       autoscaling=autoscaling, metrics_port=args.metrics_port, ui=args.ui,
+                       allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins),
+                       max_prediction_tokens=args.max_prediction_tokens)
         except _OptionError as e:
             raise e.as_flag() from None
 
@@ -159,6 +191,11 @@ class ServerOptions:
         return frozenset(f.name for f in fields(cls))
 
 
+def _listed(values: list[str] | None) -> tuple[str, ...]:
+    """A repeatable option's values, each possibly a comma-separated list, as one tuple."""
+    return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
 def _json_object(text: str, name: str) -> dict:
     try:
         value = json.loads(text)
@@ -178,7 +215,8 @@ def _bool(text: str) -> bool:
 
 
 _CONVERTERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _bool, str: str,
-                                                  dict: lambda text: _json_object(text, "")}
+                                                  dict: lambda text: _json_object(text, ""),
+                                                  tuple: lambda text: _listed([text])}
 
 
 def convert_strings(values: dict[str, Any], hints: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ class Metrics:
     Names follow vLLM's and llama.cpp server's style (``specdecode:...``). Counts cover
     requests that finished; a cancelled (client gone) request counts only in
     request_aborted_total. request_rejected_total counts requests refused before any
-    generation, by reason: unauthorized (missing or wrong API key), too_large (body over
+    generation, by reason: forbidden (a Host or Origin refused), unauthorized (missing or
+    wrong API key), unsupported_media_type (a body not sent as JSON), too_large (body over
     the limit), invalid_request, model_not_found, queue_full. queue_len, running: read at
     every scrape for the num_requests_waiting / num_requests_running gauges.
     """

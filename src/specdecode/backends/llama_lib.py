@@ -1,0 +1,92 @@
+"""The llama.cpp library as a process sees it, apart from any one model: loading it once with
+its log routed (:func:`init_llama`, :func:`last_error`), which of its CPU buffer types are
+safe on this build (:func:`extra_buffers_are_safe`), and how many threads a forward should
+use (:func:`default_threads`)."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+_BACKEND_READY = False
+_LOG_CALLBACK = None  # kept alive: llama.cpp holds a raw pointer to it
+_RECENT_ERRORS: "collections.deque[str]" = collections.deque(maxlen=8)
+GGML_LOG_LEVEL_WARN = 3  # ggml's enum: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+
+
+def init_llama() -> None:
+    """Load llama.cpp once and route its log: silent unless SPECDECODE_VERBOSE=1, keeping
+    recent error lines so that a failed load can say why in one line."""
+    global _BACKEND_READY, _LOG_CALLBACK
+    if _BACKEND_READY:
+        return
+    import llama_cpp
+
+    verbose = os.environ.get("SPECDECODE_VERBOSE") == "1"
+
+    @llama_cpp.llama_log_callback
+    def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        msg = text.decode("utf-8", errors="replace")
+        if verbose:
+            print(msg, end="", file=sys.stderr, flush=True)
+        if level in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_WARN + 1) and "error" in msg.lower():
+            _RECENT_ERRORS.append(msg.strip())
+
+    _LOG_CALLBACK = _log
+    llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    _BACKEND_READY = True
+
+
+def last_error() -> str:
+    msg = _RECENT_ERRORS[0] if _RECENT_ERRORS else ""
+    _RECENT_ERRORS.clear()
+    return f" ({msg})" if msg else ""
+
+
+def extra_buffers_are_safe() -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffer types.
+
+    Repacked weights make batched forwards (verification of K drafts) much faster, but a
+    llama.cpp built with AMX support (``-march=native`` on an AMX-capable Xeon) puts
+    weights in its AMX buffer, whose matmul crashes with SIGSEGV in
+    ggml_backend_amx_mul_mat on the VMs we run on. So repack unless the library was
+    built with AMX. SPECDECODE_LLAMA_REPACK=0/1 overrides.
+    """
+    env = os.environ.get("SPECDECODE_LLAMA_REPACK")
+    if env in ("0", "1"):
+        return env == "1"
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll"):
+        if (lib_dir / name).exists():
+            try:
+                fn = ctypes.CDLL(str(lib_dir / name)).ggml_cpu_has_amx_int8
+            except (OSError, AttributeError):
+                return False
+            fn.restype = ctypes.c_int
+            return fn() == 0
+    return False
+
+
+def default_threads() -> int:
+    """Physical cores this process may run on, as llama.cpp recommends (its
+    ``cpu_get_num_math``): a second hardware thread of a core shares its vector units and
+    slows a compute-bound forward. Logical CPUs where the topology cannot be read."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))

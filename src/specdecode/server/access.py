@@ -1,0 +1,242 @@
+"""Who may call the server, checked before a request reaches a route: the Host and Origin
+headers (against DNS rebinding and cross-site requests), CORS for the origins the operator
+allows, the API key, and the media type of a request body.
+
+A server on 127.0.0.1 is reachable by every web page the user opens: the browser sends a
+page's request to it, and a site that re-points its own name to 127.0.0.1 (DNS rebinding)
+can read the answers too, as happened to local model servers before (Ollama's advisory,
+fixed by checking Host and Origin). So, as local servers do:
+
+- **Host** must name this server: ``localhost``, a loopback address (127.0.0.0/8, ``[::1]``),
+  the address it listens on, or a name given with ``serve --allowed-hosts`` (``*``: any).
+  On a wildcard address (0.0.0.0, ::) any IP literal is accepted too: a rebinding page
+  always sends its own name. The port is not compared (a proxy may map it).
+- **Origin**, when a browser sends one, must be the server's own (the origin whose
+  authority is the Host header, whatever its scheme, for a TLS proxy in front: the page at
+  ``/``), or listed in ``serve --cors-origins``;
+  those get CORS headers, preflight included (Starlette's CORSMiddleware). ``null`` (a
+  sandboxed frame, a file) counts as another site.
+- **Only JSON is JSON**: a POST body must be sent as ``application/json`` (a charset
+  parameter allowed); a form or ``text/plain`` body, which any page may send without a
+  preflight, gets 415.
+
+A refused request gets 403 with an OpenAI-style error naming the header (``param`` =
+``Host`` or ``Origin``), before its body is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+from urllib.parse import urlsplit
+
+from .apierror import APIError
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# A refused request's body is read to its end, and discarded, up to this many bytes; past
+# them the connection is closed unread (and the client may see a reset, not the answer).
+MAX_DRAIN_BYTES = 1 << 30
+LOOPBACK_NAMES = ("localhost",)
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """e as a JSON response with its status (a 429 also says when to retry, in seconds; a
+    401 names the scheme expected)."""
+    from fastapi.responses import JSONResponse
+
+    headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    body = e.body()
+    try:
+        return JSONResponse(body, status_code=e.status, headers=headers)
+    except UnicodeEncodeError:  # a message quoting text that is no Unicode (a lone surrogate): escaped
+        error = {k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
+                 for k, v in body["error"].items()}
+        return JSONResponse({"error": error}, status_code=e.status, headers=headers)
+
+
+async def drain(scope: dict, receive: Callable) -> None:
+    """Read and discard what is left of a request's body before it is answered early (an
+    error before or while the body is read): a server that closes a connection with unread
+    data resets it, and the client loses the answer (urllib and every client that sends
+    ``Connection: close``). At most MAX_DRAIN_BYTES are read; nothing is read from a client
+    that waits for ``100 Continue`` (it sends no body after a final answer)."""
+    if (b"expect", b"100-continue") in [(k.lower(), v.lower()) for k, v in scope.get("headers", ())]:
+        return
+    seen = 0
+    while seen <= MAX_DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def split_host(value: str) -> tuple[str, str]:
+    """A Host header (or an origin's authority) as (name, port): lower case, without the
+    brackets of an IPv6 literal or a trailing dot; port "" when absent.
+    ``split_host("[::1]:8000") == ("::1", "8000")``, ``split_host("LocalHost.") == ("localhost", "")``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, _, rest = value[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif value.count(":") == 1:
+        name, _, port = value.partition(":")
+    else:  # a bare name, or an unbracketed IPv6 literal
+        name, port = value, ""
+    return name.rstrip("."), port
+
+
+def normalize_origin(origin: str) -> str | None:
+    """An origin as browsers send it, ``scheme://host[:port]`` in lower case, without the
+    scheme's default port (and a trailing "/" dropped); None when it is no origin (a path,
+    a query, no host). ``"null"`` stays ``"null"``."""
+    origin = origin.strip()
+    if origin.lower() == "null":
+        return "null"
+    parts = urlsplit(origin.rstrip("/") if origin.endswith("/") and origin.count("/") == 3 else origin)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.path or parts.query or parts.fragment:
+        return None
+    name, port = split_host(parts.netloc)
+    if not name or "@" in parts.netloc:
+        return None
+    shown = f"[{name}]" if ":" in name else name
+    return f"{parts.scheme}://{shown}" + (f":{port}" if port and port != _DEFAULT_PORTS[parts.scheme] else "")
+
+
+class HostOriginPolicy:
+    """The Host and Origin rules of the module docstring, as pure checks.
+
+    bound_host: the address the server listens on (``--host``). allowed_hosts: further
+    Host names (``--allowed-hosts``; ``"*"`` accepts any). cors_origins: origins whose pages
+    may call the server (``--cors-origins``; ``"*"`` any, ``"null"`` sandboxed frames and files).
+    """
+
+    def __init__(self, bound_host: str, allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = ()) -> None:
+        bound = split_host(bound_host)[0] if bound_host.startswith("[") else bound_host.strip().lower().rstrip(".")
+        self.any_host = "*" in allowed_hosts
+        self.any_ip = bound in WILDCARD_HOSTS
+        self.names = frozenset({*LOOPBACK_NAMES, bound, *(split_host(h)[0] for h in allowed_hosts if h != "*")})
+        self.any_origin = "*" in cors_origins
+        self.cors_origins = frozenset(o for o in (normalize_origin(c) for c in cors_origins if c != "*") if o)
+
+    def host_allowed(self, host: str | None) -> bool:
+        """Whether a Host header names this server (no header: not a browser, allowed)."""
+        if host is None or self.any_host:
+            return True
+        name, _ = split_host(host)
+        ip = _ip(name)
+        return name in self.names or (ip is not None and (ip.is_loopback or self.any_ip))
+
+    def cors_allowed(self, origin: str) -> bool:
+        """Whether a page of this (other) origin may call the server (``--cors-origins``)."""
+        return self.any_origin or normalize_origin(origin) in self.cors_origins
+
+    def check(self, host: str | None, origin: str | None) -> APIError | None:
+        """None when a request with these headers may proceed, else the 403 to answer."""
+        if not self.host_allowed(host):
+            return APIError(403, f"the Host header {host!r} does not name this server: only localhost, loopback "
+                            "addresses, the address it listens on and the names given with --allowed-hosts are "
+                            "served (a page of another site that re-points its name to this machine is refused)",
+                            type="permission_error", param="Host", code="host_not_allowed")
+        if origin is None or (host is not None and self._same_origin(origin, host)) or self.cors_allowed(origin):
+            return None
+        return APIError(403, f"the Origin header {origin!r} names another site: a web page there may not use this "
+                        f"server; start it with --cors-origins {origin} to allow that page",
+                        type="permission_error", param="Origin", code="origin_not_allowed")
+
+    @staticmethod
+    def _same_origin(origin: str, host: str) -> bool:
+        norm = normalize_origin(origin)
+        if norm is None or norm == "null":
+            return False
+        scheme, _, authority = norm.partition("://")
+        name, port = split_host(host)
+        shown = f"[{name}]" if ":" in name else name
+        return authority == shown + (f":{port}" if port and port != _DEFAULT_PORTS[scheme] else "")
+
+
+class AccessGuard:
+    """ASGI middleware: every HTTP request passes :class:`HostOriginPolicy` or gets its 403
+    (counted by ``on_reject``) before anything else runs, a CORS preflight included."""
+
+    def __init__(self, app: Any, policy: HostOriginPolicy, on_reject: Callable[[], None]) -> None:
+        self.app = app
+        self.policy = policy
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            host, origin = headers.get(b"host"), headers.get(b"origin")
+            error = self.policy.check(host.decode("latin-1") if host is not None else None,
+                                      origin.decode("latin-1") if origin is not None else None)
+            if error is not None:
+                self._on_reject()
+                await drain(scope, receive)
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class APIKeyGuard:
+    """ASGI middleware: every HTTP request but those for ``open_paths`` (so every /v1
+    request, and any path that is no route) must carry ``Authorization: Bearer <key>``;
+    any other answers 401 (code invalid_api_key) before its body is read or anything
+    reaches the worker (a CORS preflight, which browsers send without credentials, is
+    answered by the CORS middleware outside this one). The keys are compared in
+    constant time (hmac.compare_digest), as SHA-256 digests, so that neither their content
+    nor their length shows in the timing."""
+
+    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str], on_reject: Callable[[], None]) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._open = open_paths
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            error = self._check(dict(scope["headers"]).get(b"authorization"))
+            if error is not None:
+                self._on_reject()
+                await drain(scope, receive)
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, header: bytes | None) -> APIError | None:
+        """None when header is "Bearer <the key>", else the 401 to answer."""
+        if header is None:
+            return APIError(401, "no API key given: send it in an Authorization header (Authorization: Bearer "
+                            "YOUR_KEY)", code="invalid_api_key")
+        scheme, _, given = header.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not given.strip():
+            return APIError(401, "the Authorization header must be 'Bearer YOUR_KEY'", code="invalid_api_key")
+        if not hmac.compare_digest(hashlib.sha256(given.strip()).digest(), self._digest):
+            return APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return None
+
+
+def require_json(content_type: str | None) -> None:
+    """415 unless a request body is declared ``application/json`` (parameters such as
+    ``charset=utf-8`` allowed): a form or ``text/plain`` body is what a page of any site may
+    send without a CORS preflight."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        shown = repr(content_type) if content_type else "none"
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json (got {shown}); with "
+                       "curl: -H 'Content-Type: application/json', or --json", param="Content-Type",
+                       code="unsupported_media_type")
