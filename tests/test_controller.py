@@ -7,7 +7,8 @@ import pytest
 
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import AcceptanceEstimator
-from specdecode.control.costmodel import CostCurve, best_k, expected_tokens, expected_tokens_positional, fit_linear, step_rate
+from specdecode.control.costmodel import (CostCurve, choose_k, curve_table, expected_tokens, expected_tokens_positional,
+                                         expected_tokens_upto, fit_linear, step_rate)
 from specdecode.drafters import Draft, DrafterBase, IncrementalDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
@@ -40,6 +41,11 @@ def test_cost_curve_fit_and_interpolation():
     a, b = fit_linear([1, 2, 4], [0.035, 0.05, 0.1])
     assert c(8) == pytest.approx(a + 8 * b)
     assert CostCurve.from_dict(c.to_dict()) == c
+
+
+def best_k(alpha: float, kmax: int, target: CostCurve, draft_cost: float) -> int:
+    """The controller's K chooser at a per-token acceptance alpha."""
+    return choose_k(expected_tokens_upto(alpha, kmax), draft_cost, curve_table(target, kmax + 1))[0]
 
 
 def test_step_rate_and_best_k_hand_computed():

@@ -206,7 +206,7 @@ def test_the_controller_drafts_with_a_suffix_source():
     request(d, [1, 2, 3] + earlier)
     ngram = NgramDrafter()
     c = SpeculationController([Source(ngram, 0.0), Source(d, 0.0)], FLAT, kmax=8)
-    assert c.drafter_names == ["ngram", "suffix"]
+    assert c.names() == ["ngram", "suffix"]
     ctx = [50, 51] + earlier[:20]  # no match within the context: only the history has one
     c.start(ctx[:2], SAMPLER)
     draft = c.propose(ctx, 8)
@@ -224,9 +224,9 @@ def test_loading_builds_suffix_drafters(monkeypatch):
     assert isinstance(loading.make_drafter("suffix", target=None), SuffixDrafter)
     monkeypatch.setattr(loading, "cached_measurement", lambda *a, **k: Measurement(FLAT))
     monkeypatch.setattr(loading, "default_draft_serves", lambda target: False)
-    assert loading.make_controller("suffix", target=None).drafter_names == ["suffix"]
-    assert loading.make_controller("auto", target=None).drafter_names == ["ngram", "suffix", "prediction"]
-    assert loading.make_controller("ngram", target=None).drafter_names == ["ngram"]
+    assert loading.make_controller("suffix", target=None).names() == ["suffix"]
+    assert loading.make_controller("auto", target=None).names() == ["ngram", "suffix", "prediction"]
+    assert loading.make_controller("ngram", target=None).names() == ["ngram"]
 
 
 def chat_ids(backend, text):

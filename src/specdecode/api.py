@@ -18,19 +18,16 @@ import inspect
 import threading
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 
 from .assembly import registry
 from .backends.base import Backend, claim_backends, release_backends
-from .drafters import NoDrafter
-from .drafters.kinds import check_draft_options
-from .engine import Generation, SpeculativeEngine, drive
+from .drafters.kinds import check_draft_options, resolve
+from .engine import Generation, drive
 from .errors import SpecDecodeError
-from .drafters.trees import set_tree_options
-from .limits import AUTO_KMAX, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
-    check_num_speculative_tokens, check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
+from .limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
+    check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
-from .assembly.loading import cached_invariance, load_backend, make_controller, make_drafter
+from .assembly.loading import load_backend, make_speculation
 from .messages import check_messages, template_messages
 from .output import GenerationResult, TextDelta
 from .parity import NEAR_TIE_GAP, parity_report
@@ -101,7 +98,7 @@ class Decoder:
         # Names (a loaded backend's own), as the server and the statistics report them.
         self.target_name = target.name if isinstance(target, Backend) else target
         self.draft_name = draft.name if isinstance(draft, Backend) else draft
-        k = check_num_speculative_tokens(num_speculative_tokens)
+        choice = resolve(draft, num_speculative_tokens)
         if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
             raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
                                   param="draft_vocab")
@@ -120,19 +117,10 @@ class Decoder:
             self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                        device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes))
         try:
-            opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=draft_backend, dtype=dtype,
-                        device=device, draft_vocab=draft_vocab, n_seq=parallel)
-            if k == "auto":
-                self.drafter = make_controller(draft, self.target, kmax=AUTO_KMAX, **opts)
-                k = AUTO_KMAX
-            elif draft == "auto":
-                # Which drafter is only known step by step: the controller chooses it, with K <= k.
-                self.drafter = make_controller(draft, self.target, kmax=k, **opts) if k else NoDrafter()
-            else:
-                self.drafter = make_drafter(draft, self.target, **opts)
-            set_tree_options(self.drafter, 0, tree_width)  # the node budget is set per generation
-            self.engine = SpeculativeEngine(self.target, self.drafter, k, n_slots=parallel, invariance=cached_invariance,
-                                            max_tree_nodes=max_tree_nodes)
+            self.engine = make_speculation(choice, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
+                                           backend=draft_backend, dtype=dtype, device=device, draft_vocab=draft_vocab,
+                                           n_slots=parallel, max_tree_nodes=max_tree_nodes, tree_width=tree_width)
+            self.drafter = self.engine.drafter
         except BaseException:
             release_backends(given)
             if self.target not in given:  # a backend the caller gave stays theirs, as it was

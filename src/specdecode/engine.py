@@ -35,9 +35,9 @@ import numpy as np
 
 from .backends.base import Backend, SeqForward, common_prefix_len, tree_prefix_within
 from .control.invariance import measure_invariant_block
-from .control.planner import (configure_generation, draft_source, end_plan, observe_confidence, observe_verification,
-                              plan_batch, prediction_counts, tree_budget)
+from .control.planner import end_plan, observe_confidence, observe_verification, plan_batch, tree_budget
 from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
+from .drafters.kinds import resolve_request
 from .errors import ContextOverflowError, SpecDecodeError
 from .grammar import GrammarConstraint
 from .limits import check_max_tree_nodes, check_num_speculative_tokens
@@ -170,10 +170,11 @@ class SpeculativeEngine:
         ContextOverflowError when the prompt does not fit.
         """
         options = GenerationOptions.from_kwargs(options, **fields) if fields or options is None else options
-        if options.plain or options.draft == "none":
-            drafter, K = self._plain, 0
-        else:
-            K = self.num_speculative_tokens if options.num_speculative_tokens is None else options.num_speculative_tokens
+        choice = resolve_request(options.draft, options.num_speculative_tokens, self.num_speculative_tokens,
+                                 options.request_inputs(), options.plain, self.target.token_bytes)
+        K = choice.k
+        if choice.plain:
+            drafter = self._plain
         self._check(prompt_ids)
         started = time.perf_counter()
         where = self._choose_slot(prompt_ids, slot)
@@ -196,9 +197,8 @@ class SpeculativeEngine:
         gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target)
         self._prefill(where, gen.committed, gen.drafter)
         gen.drafter.start(prompt_ids, sampler)
-        if drafter is not self._plain:  # may refuse the request's draft or prediction: the slot stays free
-            configure_generation(gen.drafter, options.draft, options.num_speculative_tokens is not None,
-                                 options.prediction, self.target.token_bytes)
+        if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free
+            gen.drafter.configure(choice.drafting)
         where.gen = gen
         self._uses += 1
         where.last_used = self._uses
@@ -358,7 +358,7 @@ class SpeculativeEngine:
         assert self.target.seq_len(slot.seq) == len(committed) - 1, "target KV length must be committed length - 1"
         observe_confidence(gen.drafter, logits[result.num_accepted])
         gen.drafter.observe(result.num_accepted)
-        return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps, draft_source(gen.drafter))
+        return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps, gen.drafter.last_source)
 
     def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
         """Finish a generation (done, or stopped early: a cancelled request) and free its
@@ -376,7 +376,7 @@ class SpeculativeEngine:
         finally:
             slot.gen = None
             out.stats.controller_note = end_plan(gen.drafter)
-            if (counts := prediction_counts(gen.drafter)) is not None:
+            if (counts := gen.drafter.input_counts()) is not None:
                 out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens = counts
         tail = out.end("length")
         items: list[TextDelta | GenerationResult] = [tail] if tail or tail.token_ids else []

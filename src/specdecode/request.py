@@ -46,6 +46,10 @@ class GenerationOptions:
         (no planning); with "auto" num_speculative_tokens is the cap.
     max_tree_nodes: the nodes a tree of drafts may hold in this generation (0..MAX_TREE_NODES;
         0: chains only), or None for the engine's (:func:`specdecode.control.planner.tree_budget`).
+    inputs: request-fed inputs of other drafter kinds, by request field (a kind's
+        ``request_field``), each as target token ids [P]: a mapping, kept as sorted
+        (field, ids) pairs. ``prediction`` is the one OpenAI names; :meth:`request_inputs`
+        gives them all.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -62,6 +66,11 @@ class GenerationOptions:
     prediction: tuple[int, ...] | None = None
     draft: str | None = None
     max_tree_nodes: int | None = None
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def request_inputs(self) -> dict[str, tuple[int, ...]]:
+        """Every request-fed input by field, the prediction's included."""
+        return {**dict(self.inputs), **({"prediction": self.prediction} if self.prediction else {})}
 
     @property
     def invariant(self) -> bool:
@@ -115,11 +124,24 @@ class GenerationOptions:
                                       f"{str(self.prediction)[:60]}", param="prediction")
             object.__setattr__(self, "prediction", tuple(self.prediction))
         check_max_tree_nodes(self.max_tree_nodes)
+        self._check_inputs()
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecDecodeError(f"draft must be a non-empty string, got {self.draft!r}", param="draft")
         for name in ("record_top2_gaps", "plain"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
+
+    def _check_inputs(self) -> None:
+        items = self.inputs.items() if isinstance(self.inputs, dict) else self.inputs
+        try:
+            pairs = sorted((name, tuple(ids)) for name, ids in items)
+        except (TypeError, ValueError):
+            pairs = None
+        if pairs is None or not all(isinstance(n, str) and n and all(is_int(t) and t >= 0 for t in ids)
+                                    for n, ids in pairs):
+            raise SpecDecodeError(f"inputs must map request fields to token ids (e.g. {{\"hint\": [12, 7]}}), got "
+                                  f"{str(self.inputs)[:60]}", param="inputs")
+        object.__setattr__(self, "inputs", tuple((n, ids) for n, ids in pairs if ids))
 
     @classmethod
     def from_kwargs(cls, base: "GenerationOptions | None" = None, **kwargs: Any) -> "GenerationOptions":

@@ -9,6 +9,7 @@ them (``-k auto``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from . import registry
@@ -19,9 +20,12 @@ from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
 from ..control.measure import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..drafters import Drafter, NoDrafter
-from ..drafters.kinds import AUTO, DraftRequest, auto_kinds, check_draft_options, kind_of
+from ..drafters.kinds import Choice, DraftRequest, check_draft_options, kind_of, resolve
+from ..drafters.trees import set_tree_options
+from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
-from ..limits import AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, check_choice
+from ..limits import (AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE,
+                      DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, check_choice)
 from ..backends.vocab import fingerprint_serves
 
 
@@ -111,34 +115,67 @@ def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KM
                     n_threads: int | None = None, progress: bool = True, backend: str = "auto",
                     dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0,
                     n_seq: int = 1) -> Drafter:
-    """The cost-aware controller over the drafters that ``draft`` names.
+    """The cost-aware controller over the drafters that ``draft`` names, with K <= kmax.
 
     draft: "auto" (the free lookups of the kinds table, plus the default draft model when it
     shares the target's tokenizer), "none" (plain), or one kind (:func:`make_drafter`).
-    Measures the target's verification curve T(n) at COST_CURVE_NS up to kmax + 1 and a
-    draft model's cost per token once per model and machine (cached under the model cache);
-    the controller then follows the observed step times, and rewrites the cached curve with
-    them when they contradict it. n_seq: concurrent generations (the curve then also
-    covers the sizes of a batched step, BATCH_COST_CURVE_NS; a draft model gets n_seq KV
-    sequences).
+    See :func:`make_speculation` for what is measured. Raises SpecDecodeError for an option
+    the drafters do not use.
     """
     check_draft_options(draft, n_seq, draft_vocab=draft_vocab, draft_backend=backend)
-    if draft == "none":
+    choice = replace(resolve(draft, "auto"), k=kmax)
+    return _controller(choice, target, dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend,
+                                            dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
+
+
+def make_speculation(choice: Choice, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+                     progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
+                     device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_slots: int = 1,
+                     max_tree_nodes: int | None = None, tree_width: int = DEFAULT_TREE_WIDTH) -> SpeculativeEngine:
+    """The one recipe of speculation, for the Decoder, the bench and so the server alike: the
+    drafter of a resolved :class:`specdecode.drafters.kinds.Choice` (none, one kind at a fixed
+    K, or the cost-aware controller over its names) and the engine around it, with n_slots
+    slots (draft models load n_slots KV sequences), trees of at most max_tree_nodes nodes of
+    tree_width candidates. The options are checked by the caller
+    (:func:`specdecode.drafters.kinds.check_draft_options`), once.
+
+    The controller measures the target's verification curve T(n) at COST_CURVE_NS up to
+    k + 1 (and the sizes of a batched step, BATCH_COST_CURVE_NS, for several slots), and a
+    draft model's cost per token, once per model and machine (cached under the model cache);
+    it then follows the observed step times, and rewrites the cached curve with them when
+    they contradict it. Raises SpecDecodeError / IncompatibleVocabularyError; a drafter
+    loaded here is closed again when a later part fails.
+    """
+    load_opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend, dtype=dtype,
+                     device=device, n_seq=n_slots)
+    if not choice.names:
+        drafter: Drafter = NoDrafter()
+    elif choice.planned:
+        drafter = _controller(choice, target, load_opts, draft_vocab)
+    else:
+        drafter = _build(choice.names[0], target, load_opts, draft_vocab)
+    try:
+        set_tree_options(drafter, 0, tree_width)  # the node budget is set per generation
+        return SpeculativeEngine(target, drafter, choice.k, n_slots=n_slots, invariance=cached_invariance,
+                                 max_tree_nodes=max_tree_nodes)
+    except BaseException:
+        drafter.close()
+        raise
+
+
+def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
+    """The controller over a planned choice's drafters (none: plain), K <= choice.k."""
+    if not choice.names:
         return NoDrafter()
+    kmax, n_seq = choice.k, load_opts["n_seq"]
     cache = registry.cache_dir()
     ns = sorted({n for n in COST_CURVE_NS if n <= kmax + 1} | {kmax + 1})
     if n_seq > 1:
         ns += [n for n in BATCH_COST_CURVE_NS if ns[-1] < n <= n_seq * (kmax + 1)]
     measured = cached_measurement(target, ns, cache)
-    curve = measured.curve
-    load_opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend, dtype=dtype,
-                     device=device, n_seq=n_seq)
-    if draft == AUTO:
-        names = [k.name for k in auto_kinds()]
-        if default_draft_serves(target):
-            names.append(registry.DEFAULT_DRAFT)
-    else:
-        names = [draft]
+    names = list(choice.names)
+    if choice.default_model and default_draft_serves(target):
+        names.append(registry.DEFAULT_DRAFT)
     sources = []
     try:
         for name in names:
@@ -147,7 +184,7 @@ def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KM
         for s in sources:
             s.drafter.close()
         raise
-    controller = SpeculationController(sources, curve, kmax=kmax, learn_costs=True,
+    controller = SpeculationController(sources, measured.curve, kmax=kmax, learn_costs=True,
                                        on_drift=lambda why, live: rewrite_from_live(target, cache, live, why))
     controller.measurement_note = measured.note()
     return controller

@@ -23,7 +23,6 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..errors import ModelFileError, SpecDecodeError
 from ..files import atomic_folder, atomic_path, sha256_file, write_text_atomic

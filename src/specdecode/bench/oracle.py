@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..control.costmodel import CostCurve
-from ..drafters.base import Drafter
+from ..drafters.base import Drafter, DraftingRequest
 from ..drafters.kinds import AUTO, DraftRequest, auto_kinds
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from ..sampling import Sampler, SamplingParams
@@ -87,8 +87,8 @@ def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve,
     sampler = Sampler(SamplingParams())  # greedy; lookups ignore it
     for d in drafters:
         d.start(prompt, sampler)
-        if prediction and hasattr(d, "set_prediction"):
-            d.set_prediction(prediction)
+        if prediction and d.follows("prediction"):
+            d.configure(DraftingRequest(inputs={"prediction": tuple(prediction)}))
     steps, i = [], 0
     while i < len(output):
         cap = min(kmax, len(output) - i - 1)

@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..assembly import registry
+from ..assembly.loading import make_speculation
 from ..api import Decoder
 from ..backends.base import Backend
 from ..control.costmodel import CostCurve
 from ..control.measure import cached_forward_curve
+from ..drafters.kinds import check_draft_options, resolve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
-from ..drafters.trees import set_tree_options
-from ..limits import (AUTO_KMAX, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH,
+from ..limits import (COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH,
                       MAX_NUM_SPECULATIVE_TOKENS, check_max_tree_nodes, check_tree_width)
-from ..assembly.loading import cached_invariance, make_controller, make_drafter
 from ..output import GenerationResult
 from ..parity import parity_report
 from ..sampling import SamplingParams
@@ -148,14 +148,12 @@ def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, Spec
     for draft, k in config.parsed_configs():
         if f"{draft}:{k}" in engines:  # "ngram" and "ngram:auto" name the same configuration
             continue
+        check_draft_options(draft, draft_vocab=config.draft_vocab, draft_backend=config.draft_backend)
+        choice = resolve(draft, k)
         # With trees, CONFIG+trees gets drafters of its own: a lookup in earlier requests (suffix)
         # must not find the answer that CONFIG's run of the same prompt just gave.
         for name in (f"{draft}:{k}", f"{draft}:{k}{WITH_TREES}") if config.max_tree_nodes else (f"{draft}:{k}",):
-            drafter = make_controller(draft, target, kmax=AUTO_KMAX, **opts) if k == "auto" else \
-                make_drafter(draft, target, **opts)
-            set_tree_options(drafter, 0, config.tree_width)  # the node budget comes with each generation
-            engines[name] = SpeculativeEngine(target, drafter, AUTO_KMAX if k == "auto" else k,
-                                              invariance=cached_invariance)
+            engines[name] = make_speculation(choice, target, tree_width=config.tree_width, **opts)
 
 
 def _row(p: BenchPrompt, name: str, result: GenerationResult, plain: GenerationResult, plain_rate: float, greedy: bool,
@@ -260,8 +258,7 @@ def _drafts_by_row_name(config: BenchConfig) -> dict[str, str]:
 def follows_prediction(drafter) -> bool:
     """Whether a drafter drafts from a request's prediction (the prediction kind, or the
     controller over it)."""
-    return hasattr(drafter, "has_prediction") or any(hasattr(s.drafter, "has_prediction")
-                                                     for s in getattr(drafter, "sources", ()))
+    return drafter.follows("prediction")
 
 
 def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: SpeculativeEngine,

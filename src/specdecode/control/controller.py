@@ -30,11 +30,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..backends.base import Backend
-from .costmodel import CostCurve, ObservedCurve, expected_tokens_upto
-from ..drafters.base import ContinuationRule, Draft, HiddenStateDrafter, IncrementalDrafter
+from .costmodel import CostCurve, ObservedCurve, choose_k, expected_tokens_upto
+from ..drafters.base import ContinuationRule, Draft, Drafter, DraftingRequest, HiddenStateDrafter, IncrementalDrafter
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
-from .sources import SharedCosts, Source
+from .sources import Plan, SharedCosts, Source, SourceSet
 from .trees import shape_tree, tree_depth
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
@@ -105,7 +105,7 @@ class SpeculationController(PlannedDrafter):
                                             on_drift)
         self._base_cost = target_cost
         self._quota: int | None = None  # the batch planner's K for the next proposal
-        self._offered: tuple | None = None  # (source, estimator) of the last offer
+        self._offered: Plan | None = None  # the plan of the last offer
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
         self.explore_every = explore_every
@@ -130,8 +130,7 @@ class SpeculationController(PlannedDrafter):
         self._matched: Counter = Counter()
         self.guard = guard or SpeedGuard()
         self.measurement_note = ""  # how the cost curve was measured, when it is worth saying
-        self._allowed: set[int] | None = None  # ids of the sources this generation may draft with (restrict)
-        self._fixed = False
+        self.choice = SourceSet(self.sources)  # which sources this generation may draft with
         self._tree_expected: float | None = None  # the last tree's summed node probabilities
         # whether propose() ran this step, its seconds, and the step's own verification
         self._proposed, self._draft_s, self._own_verify = False, 0.0, None
@@ -164,7 +163,7 @@ class SpeculationController(PlannedDrafter):
         keep NEW_TEXT_KEEP of their evidence (the rest returns to the measured priors). A long
         run of texts where lookups fail (translation, chat) otherwise leaves the later ones that
         repeat earlier answers undrafted: measured on the suite, `repeat` drafted nothing."""
-        self._allowed, self._fixed = None, False
+        self.choice.restrict(None)
         for s in self.sources:
             s.drafter.start(prompt_ids, sampler)
             s.probe_gap = self.probe_every
@@ -177,35 +176,22 @@ class SpeculationController(PlannedDrafter):
         self._matched.clear()
         self.guard.reset()
 
-    def set_prediction(self, ids: Sequence[int] | None, token_bytes: Callable[[int], bytes] | None = None) -> bool:
-        """This generation's predicted output [P] for the sources that follow one (after
-        :meth:`start`); False when none does."""
-        took = False
-        for s in self.sources:
-            if hasattr(s.drafter, "set_prediction"):
-                s.drafter.set_prediction(ids, token_bytes)
-                took = True
-        return took
-
-    def prediction_counts(self) -> tuple[int, int] | None:
-        """(accepted, rejected) drafted prediction tokens of this generation, or None when no
-        source holds a prediction."""
-        held = [s.drafter for s in self.sources if getattr(s.drafter, "has_prediction", False)]
-        return (sum(d.accepted for d in held), sum(d.rejected for d in held)) if held else None
+    def configure(self, request: DraftingRequest) -> None:
+        """This generation's choice and request-fed inputs (after :meth:`start`): :meth:`SourceSet.configure`."""
+        self.choice.configure(request)
 
     def restrict(self, names: Sequence[str] | None, fixed: bool = False) -> None:
-        """For this generation (after :meth:`start`) draft only with the sources named (their
-        kind's name, or a draft model's name); fixed: draft the engine's k each step from the
-        first that has a draft, without planning (a request that sets K). None: all, planned.
-        Raises ValueError for a name that is not among the sources (see :attr:`drafter_names`)."""
-        if names is None:
-            self._allowed, self._fixed = None, False
-            return
-        known = {n: s for s in self.sources for n in (s.name, *(b.name for b in s.drafter.draft_backends()))}
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise ValueError(f"no loaded drafter is named {missing[0]!r}: loaded are {', '.join(sorted(known))}")
-        self._allowed, self._fixed = {id(known[n]) for n in names}, fixed
+        """Draft only with the sources named, at a fixed K when fixed (:meth:`SourceSet.restrict`)."""
+        self.choice.restrict(names, fixed)
+
+    def names(self) -> list[str]:
+        return self.choice.names()
+
+    def members(self) -> list[Drafter]:
+        return [s.drafter for s in self.sources]
+
+    def input_counts(self) -> tuple[int, int] | None:
+        return self.choice.input_counts()
 
     def explain(self) -> str:
         """What each drafter did in the last generation, and why an unused one was not used:
@@ -213,9 +199,9 @@ class SpeculationController(PlannedDrafter):
         accepted, or an estimated acceptance too low for this machine's T(n)."""
         parts = []
         for s in self.sources:
-            if (getattr(s.drafter, "has_prediction", True) is False or self._allowed is not None
-                    and id(s) not in self._allowed) and not self._used[s.name]:
-                continue  # no prediction was given, or the request chose other drafters: nothing to say
+            if ((s.drafter.request_fields and s.drafter.input_counts() is None) or not self.choice.allows(s)) \
+                    and not self._used[s.name]:
+                continue  # its request field was not given, or the request chose other drafters: nothing to say
             n = self._used[s.name]
             if n:
                 ks = self._ks[s.name]
@@ -247,11 +233,6 @@ class SpeculationController(PlannedDrafter):
     def draft_backends(self) -> list[Backend]:
         return [b for s in self.sources for b in s.drafter.draft_backends()]
 
-    @property
-    def drafter_names(self) -> list[str]:
-        """The names of the drafters chosen among (besides "none", plain decoding)."""
-        return [s.name for s in self.sources]
-
     def plan(self, source: Source, cap: int, extra: float = 0.0, alpha: float | None = None,
              estimator: AcceptanceEstimator | FeatureEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
@@ -261,15 +242,11 @@ class SpeculationController(PlannedDrafter):
         (default: the source's overall estimator).
         """
         K = min(cap, self.kmax)
-        T = self._T
         if K <= 0:
-            return 0, 1.0 / T[1]
+            return 0, 1.0 / self._T[1]
         est = source.estimator if estimator is None else estimator
         E = expected_tokens_upto(alpha, K) if alpha is not None else est.expected_upto(K)  # [K+1]
-        k = np.arange(K + 1)
-        rates = E / (extra * (k > 0) + k * source.draft_cost + T[1:K + 2])  # k = 0: a plain step
-        best = int(np.argmax(rates))  # ties go to the smaller K
-        return best, float(rates[best])
+        return choose_k(E, source.draft_cost, self._T, extra)
 
     def observe_confidence(self, p_top1: float | Callable[[], float]) -> None:
         """The target's top-1 probability at the last verified position (a feature of the
@@ -291,12 +268,12 @@ class SpeculationController(PlannedDrafter):
             self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
         self._own_verify = seconds if n <= (self._last_rows if self._proposed and self._last is not None else 1) else None
 
-    def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[tuple]:
-        """(rate, source, K, probe, estimator) of each drafter worth trying after context,
-        unsorted: its best K at its estimated acceptance, or a probe."""
+    def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[Plan]:
+        """The plan of each drafter worth trying after context, unsorted: its best K at its
+        estimated acceptance, or a probe."""
         plans = []
         for s in self.sources:
-            if self._allowed is not None and id(s) not in self._allowed:
+            if not self.choice.allows(s):
                 continue
             known = lambda s=s: StepFeatures(prev_full=s is self._prev_source and self._prev_full,  # noqa: E731
                                              run=self._run, confidence=self.confidence)
@@ -305,11 +282,11 @@ class SpeculationController(PlannedDrafter):
                 continue
             self._matched[s.name] += 1
             cap = min(k, avail)
-            if not (s is self._prev_source and self._prev_full or getattr(s.drafter, "confirmed", False)):
+            if not (s is self._prev_source and self._prev_full or s.drafter.confirmed):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
-            if getattr(s.drafter, "tree_nodes", 0) > 0:  # a tree: its own plan cuts it (control/trees.py)
+            if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (control/trees.py)
                 kk = tree_depth(s.drafter, kk, cap)
             if kk == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the
@@ -328,7 +305,7 @@ class SpeculationController(PlannedDrafter):
                                                                                           self.explore_every))
             if probe:
                 kk, rate = min(2, cap), -s.draft_cost  # cheapest probe first
-            plans.append((rate, s, kk, probe, est, cap))
+            plans.append(Plan(rate, s, kk, probe, est, cap))
         return plans
 
     def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
@@ -338,13 +315,13 @@ class SpeculationController(PlannedDrafter):
         to say. The engine's batch planner then sets this generation's quota."""
         self._offered = None
         plans = self._candidates(context, k, probes=False)
-        self._matched.subtract({p[1].name: 1 for p in plans})  # counted again when proposing
-        plans = [p for p in plans if p[5] > 0]
+        self._matched.subtract({p.source.name: 1 for p in plans})  # counted again when proposing
+        plans = [p for p in plans if p.cap > 0]
         if not plans:
             return None
-        rate, s, kk, _, est, cap = max(plans, key=lambda p: (p[2] > 0, p[0] if p[2] > 0 else p[4].expected(1)))
-        self._offered = (s, est)
-        return DraftOffer(est.expected_upto(cap), s.draft_cost, self._costs)
+        best = max(plans, key=lambda p: (p.k > 0, p.rate if p.k > 0 else p.estimator.expected(1)))
+        self._offered = best
+        return DraftOffer(best.estimator.expected_upto(best.cap), best.source.draft_cost, self._costs)
 
     def set_quota(self, k: int | None) -> None:
         """The batch planner's K for the next proposal (with the drafter of the last offer);
@@ -366,17 +343,17 @@ class SpeculationController(PlannedDrafter):
 
     def _propose(self, context: Sequence[int], k: int) -> Draft:
         quota, offered, self._quota, self._offered = self._quota, self._offered, None, None
-        if self._fixed:
-            plans = [(0.0, s, k, False, s.estimator_for(context)[0]) for s in self.sources if id(s) in self._allowed]
-            plans = [p for p in plans if p[4] is not None]
+        if self.choice.fixed:
+            plans = [Plan(0.0, s, k, False, s.estimator_for(context)[0]) for s in self.sources if self.choice.allows(s)]
+            plans = [p for p in plans if p.estimator is not None]
         elif not self.guard.allows_drafting():
             plans = []
         elif quota is not None and offered is not None:
-            self._matched[offered[0].name] += 1
-            plans = [(0.0, offered[0], min(quota, k), False, offered[1])] if min(quota, k) > 0 else []
+            self._matched[offered.source.name] += 1
+            plans = [offered._replace(k=min(quota, k), probe=False)] if min(quota, k) > 0 else []
         else:
-            plans = [p[:5] for p in self._candidates(context, k) if p[2] > 0]
-        for _, s, kk, probe, est in sorted(plans, key=lambda p: -p[0]):
+            plans = [p for p in self._candidates(context, k) if p.k > 0]
+        for _, s, kk, probe, est, _ in sorted(plans, key=lambda p: -p.rate):
             # A draft model that must first read many committed tokens times its catch-up, not its drafting.
             t0, behind = time.perf_counter(), isinstance(s.drafter, IncrementalDrafter) and s.drafter.pending(context) > 4
             draft = s.drafter.propose(context, kk)

@@ -100,10 +100,18 @@ def step_rate(alpha: float, k: int, target: CostCurve, draft_cost: float) -> flo
     return expected_tokens(alpha, k) / (k * draft_cost + target(k + 1))
 
 
-def best_k(alpha: float, kmax: int, target: CostCurve, draft_cost: float) -> int:
-    """argmax over k in 0..kmax of :func:`step_rate` (ties go to the smaller k)."""
-    rates = [step_rate(alpha, k, target, draft_cost) for k in range(kmax + 1)]
-    return int(np.argmax(rates))
+def choose_k(expected: np.ndarray, draft_cost: float, T: np.ndarray, extra: float = 0.0) -> tuple[int, float]:
+    """The one K chooser: the k in 0..K that maximises the expected committed tokens per
+    second, expected[k] / (extra [k > 0] + k draft_cost + T(k + 1)) (Leviathan et al. 2023,
+    Eq. 1 over the measured T(n)), and that rate. expected: [K+1] committed tokens of a step
+    drafting k (expected[0] = 1); T: the T(n) table indexed by n (>= K+2 entries); extra:
+    one-off seconds a drafting step costs on top (a draft model's catch-up). Ties go to the
+    smaller k; k = 0 is a plain step."""
+    K = len(expected) - 1
+    k = np.arange(K + 1)
+    rates = np.asarray(expected) / (extra * (k > 0) + k * draft_cost + np.asarray(T)[1:K + 2])
+    best = int(np.argmax(rates))
+    return best, float(rates[best])
 
 
 class ObservedCurve:

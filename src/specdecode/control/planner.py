@@ -44,6 +44,13 @@ class PlannedDrafter(DrafterBase):
     every verification's timing, asks it for offers in a batched step, and shows its
     explanation in the statistics."""
 
+    plans_k = True
+
+    @property
+    @abstractmethod
+    def target_cost(self) -> Any:
+        """The target's T(n) as planned with (a CostCurve, or an ObservedCurve over one)."""
+
     @abstractmethod
     def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
         """What drafting up to k tokens after context [L] is expected to commit, or None."""
@@ -108,40 +115,6 @@ def observe_verification(drafter: Drafter, n: int, seconds: float, sample: bool 
         drafter.observe_verification(n, seconds, sample)
 
 
-def configure_generation(drafter: Drafter, draft: str | None, fixed: bool, prediction: Sequence[int] | None,
-                         token_bytes: Callable[[int], bytes] | None = None) -> None:
-    """Hand one generation's drafter choice and prediction to its drafter (after ``start``;
-    :class:`specdecode.request.GenerationOptions` draft, num_speculative_tokens given, prediction).
-    Raises SpecDecodeError (param draft / prediction) when the drafter cannot follow them: a
-    name it does not hold, "auto" without the controller, a prediction with no drafter that
-    follows one."""
-    restrict = getattr(drafter, "restrict", None)
-    names = ", ".join(getattr(drafter, "drafter_names", None) or [drafter.name])
-    if prediction and draft not in (None, "auto", "prediction"):
-        raise SpecDecodeError(f"a prediction is followed by draft 'auto' or 'prediction'; this request chose draft "
-                              f"{draft!r}", param="prediction")
-    if draft == "prediction" and not prediction:
-        raise SpecDecodeError("draft 'prediction' drafts from the request's prediction, and none was given",
-                              param="prediction")
-    if draft not in (None, "auto"):
-        if restrict is not None:
-            try:
-                restrict([draft], fixed=fixed)
-            except ValueError as e:
-                raise SpecDecodeError(str(e), param="draft") from None
-        elif draft not in (drafter.name, getattr(getattr(drafter, "backend", None), "name", drafter.name)):
-            raise SpecDecodeError(f"draft {draft!r} is not loaded: this engine drafts with {drafter.name!r} only "
-                                  f"(a request chooses among the drafters its Decoder loaded)", param="draft")
-    elif draft == "auto" and restrict is None:
-        raise SpecDecodeError(f"draft 'auto' needs the cost-aware controller (-k auto); this engine drafts with "
-                              f"{drafter.name!r} at a fixed K", param="draft")
-    if prediction:
-        give = getattr(drafter, "set_prediction", None)
-        if give is None or give(prediction, token_bytes) is False:
-            raise SpecDecodeError(f"a prediction needs a drafter that follows one (draft 'auto' or 'prediction'); "
-                                  f"this one drafts with {names}", param="prediction")
-
-
 def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target) -> int:
     """The node budget of one generation's trees of drafts, set on its drafter (and the
     controller's sources): the request's max_tree_nodes, else the engine's, else 0 (chains:
@@ -157,20 +130,3 @@ def tree_budget(drafter: Drafter, requested: int | None, default: int | None, ta
     nodes = nodes or 0
     set_tree_options(drafter, nodes)
     return nodes
-
-
-def draft_source(drafter: Drafter) -> str | None:
-    """The name of the drafter whose proposal the last step verified: a controller's chosen
-    source (``last_source``; None when it drafted nothing), else the drafter's own name."""
-    return drafter.last_source if hasattr(drafter, "last_source") else drafter.name
-
-
-def prediction_counts(drafter: Drafter) -> tuple[int, int] | None:
-    """(accepted, rejected) drafted prediction tokens of the drafter's generation, or None
-    when it held no prediction."""
-    counts = getattr(drafter, "prediction_counts", None)
-    if callable(counts):
-        return counts()
-    if getattr(drafter, "has_prediction", False):
-        return drafter.accepted, drafter.rejected
-    return None

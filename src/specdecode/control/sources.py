@@ -1,6 +1,8 @@
 """What the cost-aware controller plans with: the target's T(n) shared by every fork of a
-controller (:class:`SharedCosts`), and each drafter it may use with its cost and acceptance
-estimates (:class:`Source`).
+controller (:class:`SharedCosts`), each drafter it may use with its cost and acceptance
+estimates (:class:`Source`), which of them a generation's request allows (:class:`SourceSet`,
+the controller's side of the drafters' one door, ``configure``), and one step's option for a
+source (:class:`Plan`).
 
 Units: seconds.
 """
@@ -8,11 +10,12 @@ Units: seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..drafters.base import Drafter, IncrementalDrafter, LookupDrafter
+from ..drafters.base import Drafter, DraftingRequest, IncrementalDrafter, LookupDrafter
+from ..errors import SpecDecodeError
 from .costmodel import CostCurve, ObservedCurve, curve_table
 from .trees import TreeCalibration
 from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, LogisticAcceptance, StepFeatures,
@@ -132,3 +135,70 @@ class Source:
         """How explanations name this drafter: "ngram", or "draft model <name>"."""
         models = self.drafter.draft_backends()
         return f"draft model {models[0].name}" if models else self.drafter.name
+
+
+class Plan(NamedTuple):
+    """One source's option for the next step: draft k tokens (0: a plain step) for an
+    expected ``rate`` of committed tokens per second, or a ``probe`` (a short draft that
+    refreshes its estimate); ``estimator``: the acceptance estimate it was planned with;
+    ``cap``: the most it could draft there."""
+
+    rate: float
+    source: Source
+    k: int
+    probe: bool
+    estimator: Any
+    cap: int = 0
+
+
+class SourceSet:
+    """A controller's sources and which of them the current generation may draft with: all,
+    planned (the default), or those its request named (:meth:`restrict`), at a fixed K when
+    the request set K. :meth:`configure` is the controller's side of the drafter contract's
+    one door: the request's choice and its request-fed inputs."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.all = list(sources)
+        self.allowed: set[int] | None = None  # ids of the sources named, None: all
+        self.fixed = False
+
+    def allows(self, source: Source) -> bool:
+        return self.allowed is None or id(source) in self.allowed
+
+    def restrict(self, names: Sequence[str] | None, fixed: bool = False) -> None:
+        """Draft only with the sources named (their kind's name, or a draft model's name);
+        fixed: the request's K each step, from the first that has a draft, without planning.
+        None: all, planned. Raises SpecDecodeError (param draft) for a name it does not hold."""
+        if names is None:
+            self.allowed, self.fixed = None, False
+            return
+        known = {n: s for s in self.all for n in (s.name, *s.drafter.names())}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise SpecDecodeError(f"no loaded drafter is named {missing[0]!r}: loaded are {', '.join(sorted(known))}",
+                                  param="draft")
+        self.allowed, self.fixed = {id(known[n]) for n in names}, fixed
+
+    def configure(self, request: DraftingRequest) -> None:
+        """The request's choice (:meth:`restrict`), and each request-fed input handed to the
+        allowed sources that follow its field. Raises SpecDecodeError naming ``draft`` or the
+        input's field."""
+        self.restrict([request.draft] if request.draft is not None else None, fixed=request.fixed)
+        allowed = [s for s in self.all if self.allows(s)]
+        for name, ids in request.inputs.items():
+            takers = [s for s in allowed if name in s.drafter.request_fields]
+            if not takers:
+                raise SpecDecodeError(f"a {name} needs a drafter that follows one (draft 'auto' or the kind that reads "
+                                      f"it); this one drafts with {', '.join(s.name for s in allowed)}", param=name)
+            for s in takers:
+                s.drafter.configure(DraftingRequest(inputs={name: ids}, token_bytes=request.token_bytes))
+
+    def names(self) -> list[str]:
+        """The names a request may choose a source by: each source's, and its draft models'."""
+        return list(dict.fromkeys(n for s in self.all for n in (s.name, *s.drafter.names())))
+
+    def input_counts(self) -> tuple[int, int] | None:
+        """(accepted, rejected) drafted tokens from request-fed inputs, summed over the sources
+        that held one this generation; None when none did."""
+        held = [c for s in self.all if (c := s.drafter.input_counts()) is not None]
+        return (sum(a for a, _ in held), sum(r for _, r in held)) if held else None

@@ -26,12 +26,14 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import copy
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
+
+from ..errors import SpecDecodeError
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -81,6 +83,29 @@ class Draft:
         return Draft(ids)
 
 
+@dataclass(frozen=True)
+class DraftingRequest:
+    """What one generation asks of its drafter, handed over once after ``start`` through the
+    one door :meth:`Drafter.configure` (resolved from the request's options by
+    :func:`specdecode.drafters.kinds.resolve_request`).
+
+    draft: None (the drafter's own choice: every source of a controller, planned), or the
+        name of one drafter it holds (a kind such as "ngram", or a loaded draft model's name).
+    fixed: the request set K: draft that many tokens each step, without planning.
+    planned: the request asked for "auto": only a drafter that plans K may serve it.
+    inputs: the request-fed inputs by request field, each as target token ids [P]
+        (OpenAI's predicted output: ``{"prediction": ids}``); a drafter takes those named in
+        its ``request_fields``.
+    token_bytes: a token's text (for drafters that read line ends), or None.
+    """
+
+    draft: str | None = None
+    fixed: bool = False
+    planned: bool = False
+    inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    token_bytes: Callable[[int], bytes] | None = None
+
+
 class Drafter(Protocol):
     """The drafter contract: the lifecycle the engine drives (see the module docstring).
 
@@ -117,6 +142,35 @@ class Drafter(Protocol):
 
     def draft_backends(self) -> list["Backend"]:
         """The model backends this drafter drafts with and frees on close (none for lookups)."""
+
+    # The request fields this drafter drafts from (its kind row's request_field): () for none.
+    request_fields: tuple[str, ...]
+    plans_k: bool  # it chooses K itself from measured costs (the controller): it may serve "auto"
+    confirmed: bool  # its drafts have been right so far: the controller may let it draft long blocks
+    tree_nodes: int  # the node budget of its trees of drafts this generation (0: chains)
+
+    def configure(self, request: DraftingRequest) -> None:
+        """This generation's choice and request-fed inputs (after :meth:`start`). Raises
+        SpecDecodeError naming the field (``draft``, or the input's field) for what it cannot
+        serve: a drafter it does not hold, "auto" without planning, an input it does not follow."""
+
+    def names(self) -> list[str]:
+        """The names a request may choose it (or, for a controller, its sources) by: kinds
+        and the names of loaded draft models."""
+
+    @property
+    def last_source(self) -> str | None:
+        """The name of the drafter whose proposal the last step verified (None: none)."""
+
+    def members(self) -> list["Drafter"]:
+        """The drafters it chooses among (a controller's sources; none for one drafter)."""
+
+    def input_counts(self) -> tuple[int, int] | None:
+        """(accepted, rejected) drafted tokens from request-fed inputs this generation, or
+        None when it held none."""
+
+    def explain(self) -> str:
+        """One line on what it did in the last generation and why ("" when nothing to say)."""
 
 
 class ContextMemo:
@@ -173,6 +227,52 @@ class DrafterBase(ABC):
 
     def draft_backends(self) -> list["Backend"]:
         return []
+
+    request_fields: tuple[str, ...] = ()
+    plans_k = False
+    confirmed = False
+    tree_nodes = 0
+
+    def configure(self, request: DraftingRequest) -> None:
+        """Refuses what one drafter cannot serve; a drafter with ``request_fields`` takes its
+        inputs in :meth:`take_inputs`."""
+        if request.planned and not self.plans_k:
+            raise SpecDecodeError(f"draft 'auto' needs the cost-aware controller (-k auto); this engine drafts with "
+                                  f"{self.name!r} at a fixed K", param="draft")
+        if request.draft is not None and request.draft not in self.names():
+            raise SpecDecodeError(f"draft {request.draft!r} is not loaded: this engine drafts with "
+                                  f"{', '.join(map(repr, self.names()))} only (a request chooses among the drafters "
+                                  f"its Decoder loaded)", param="draft")
+        for name in request.inputs:
+            if name not in self.request_fields:
+                raise SpecDecodeError(f"a {name} needs a drafter that follows one (draft 'auto' or the kind that "
+                                      f"reads it); this one drafts with {', '.join(self.names())}", param=name)
+        if request.inputs:
+            self.take_inputs(request)
+
+    def take_inputs(self, request: DraftingRequest) -> None:
+        """This generation's request-fed inputs (``request.inputs``, only fields of its
+        ``request_fields``); the default has none to take."""
+
+    def names(self) -> list[str]:
+        return [self.name] + [b.name for b in self.draft_backends() if b.name != self.name]
+
+    @property
+    def last_source(self) -> str | None:
+        return self.name
+
+    def members(self) -> list["Drafter"]:
+        return []
+
+    def input_counts(self) -> tuple[int, int] | None:
+        return None
+
+    def explain(self) -> str:
+        return ""
+
+    def follows(self, request_field: str) -> bool:
+        """Whether it, or one of its members, drafts from this request field."""
+        return request_field in self.request_fields or any(m.follows(request_field) for m in self.members())
 
 
 class LookupDrafter(DrafterBase):

@@ -2,6 +2,15 @@
 configurations ``DRAFT:K``) can name: one row each, read by the ``--draft`` help, option
 validation, loading (:mod:`specdecode.assembly.loading`) and the bench's oracle.
 
+This module is the one reader of a speculation choice: :func:`resolve` turns ``draft`` and
+K, as a Decoder, the bench or the server is built with, into a :class:`Choice`;
+:func:`resolve_request` turns one generation's own ``draft``, K and request-fed inputs into
+what its engine runs and what its drafter is asked (:class:`specdecode.drafters.base.DraftingRequest`).
+A kind fed by the request (OpenAI's ``prediction``) names its field in its row
+(``request_field``): the server then takes that field, tokenizes it, and hands it to the
+drafter through its one door, ``configure``. So a request-fed drafter, too, is one file here
+and one row.
+
 A new drafter is one file in this package and one row in :data:`KINDS`. A row builds its
 drafter from a :class:`DraftRequest`, which the assembly layer fills (drafters load no
 model themselves: ``request.load_model`` does). A kind whose drafter cannot be forked for
@@ -14,10 +23,11 @@ and the registry's default draft model (:func:`specdecode.assembly.loading.make_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..errors import SpecDecodeError
-from .base import Drafter, NoDrafter
+from ..limits import AUTO_KMAX, check_num_speculative_tokens
+from .base import Drafter, DraftingRequest, NoDrafter
 from .heads import load_heads_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
@@ -64,6 +74,10 @@ class DrafterKind:
         (seconds); None: measured (a draft model). in_auto: a free lookup that ``auto``
         always drafts with (and the bench's oracle replays). parallel: forks for
         concurrent generations.
+    request_field: the request field whose text it drafts from ("" for none): the server
+        accepts the field (OpenAI's content shape, ``{"type": "content", "content": ...}``),
+        the Python API takes it in ``inputs``, and either hands its tokens over in
+        ``DraftingRequest.inputs``.
     """
 
     name: str
@@ -75,6 +89,7 @@ class DrafterKind:
     cost_s: float | None = LOOKUP_COST_S
     in_auto: bool = False
     parallel: bool = True
+    request_field: str = ""
 
 
 def _model(req: DraftRequest) -> Drafter:
@@ -94,7 +109,7 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind("ngram", "ngram", "prompt lookup", lambda req: NgramDrafter(), in_auto=True),
     DrafterKind("suffix", "suffix", "lookup in this and earlier requests", lambda req: SuffixDrafter(), in_auto=True),
     DrafterKind("prediction", "prediction", "the request's predicted output (prediction=, --prediction-file)",
-                lambda req: PredictionDrafter(), in_auto=True),
+                lambda req: PredictionDrafter(), in_auto=True, request_field="prediction"),
     DrafterKind("heads", "heads:FILE", "draft heads trained on the target (specdecode heads train)",
                 lambda req: load_heads_drafter(req.arg, req.target), arg="FILE", cost_s=HEADS_COST_S),
     MODEL,
@@ -154,3 +169,72 @@ def draft_help(default_draft: str) -> str:
 def auto_kinds() -> list[DrafterKind]:
     """The free lookups that ``auto`` drafts with."""
     return [k for k in KINDS if k.in_auto]
+
+
+def request_fields() -> list[str]:
+    """The request fields that feed a kind of drafter (``prediction``, and any a new row names)."""
+    return [k.request_field for k in KINDS if k.request_field]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A speculation choice, resolved once (:func:`resolve`) for a Decoder, the bench or a server.
+
+    names: the drafters (a kind's name with its argument, a draft model's name or loaded
+        Backend); empty for plain decoding. default_model: also the registry's default draft
+        model, where it shares the target's tokenizer (``auto``). k: the engine's K, the cap
+        on drafted tokens per step. planned: the cost-aware controller chooses the drafter
+        and K <= k each step; else names[0] drafts k tokens every step.
+    """
+
+    names: tuple = ()
+    k: int = 0
+    planned: bool = False
+    default_model: bool = False
+
+
+def resolve(draft: "str | Backend", k: "int | str") -> Choice:
+    """``draft`` ("auto", "none", a kind, a draft model) and K (0..32 or "auto") as one Choice.
+    "auto" as K plans K <= AUTO_KMAX; "auto" as draft plans over the free lookups of the table
+    and the default draft model (an integer K is then the cap; 0 is plain decoding).
+    Raises SpecDecodeError naming ``draft`` or ``num_speculative_tokens``."""
+    k = check_num_speculative_tokens(k)
+    cap = AUTO_KMAX if k == "auto" else k
+    if draft == "none":
+        return Choice((), cap)
+    if draft == AUTO:
+        return Choice(tuple(kind.name for kind in auto_kinds()), cap, True, True) if cap else Choice()
+    kind_of(draft)  # validates
+    return Choice((draft,), cap, planned=k == "auto")
+
+
+@dataclass(frozen=True)
+class RequestChoice:
+    """What one generation runs (:func:`resolve_request`): plain decoding, or K (the cap on
+    drafted tokens per step) with ``drafting`` handed to its drafter's ``configure``."""
+
+    plain: bool
+    k: int
+    drafting: DraftingRequest
+
+
+def resolve_request(draft: str | None, k: int | None, engine_k: int, inputs: Mapping[str, tuple],
+                    plain: bool = False, token_bytes: Callable[[int], bytes] | None = None) -> RequestChoice:
+    """One generation's own choice: draft (None or "auto": the engine's drafter; "none":
+    plain; a name: that drafter), K (None: the engine's), its request-fed inputs by field.
+    Raises SpecDecodeError (param: the field) for an input that the named drafter does not
+    read, and for a kind named without the field it reads."""
+    if plain or draft == "none":
+        return RequestChoice(True, 0, DraftingRequest())
+    named = kind_of(draft)[0] if draft not in (None, AUTO) else None
+    for name in inputs:
+        if named is not None and named.request_field != name:
+            readers = " or ".join(repr(k.name) for k in KINDS if k.request_field == name)
+            raise SpecDecodeError(f"a {name} is followed by draft 'auto' or {readers}; this request chose draft "
+                                  f"{draft!r}", param=name)
+    if named is not None and named.request_field and named.request_field not in inputs:
+        raise SpecDecodeError(f"draft {draft!r} drafts from the request's {named.request_field}, and none was given",
+                              param=named.request_field)
+    drafting = DraftingRequest(None if named is None else draft, fixed=k is not None, planned=draft == AUTO,
+                               inputs=dict(inputs), token_bytes=token_bytes)
+    return RequestChoice(False, engine_k if k is None else k, drafting)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .base import Draft, LookupDrafter, Match
+from .base import Draft, DraftingRequest, LookupDrafter, Match
 
 # Tokens of agreement with the output's end that re-align a lost prediction: MIN_ALIGN in
 # general, MIN_ALIGN_LINE when the agreement ends a line (a diff's next unchanged line).
@@ -43,12 +43,13 @@ NEAR_WINDOW = 512
 class PredictionDrafter(LookupDrafter):
     """Drafts from a predicted output (see the module docstring).
 
-    set_prediction(ids, token_bytes) hands over one generation's prediction [P] (after
-    ``start``, which clears it); :meth:`lookup` reports a match of length 1 + the tokens in a
+    The request field ``prediction`` hands over one generation's prediction [P] (through
+    :meth:`configure` after ``start``, which clears it; or :meth:`set_prediction`); :meth:`lookup` reports a match of length 1 + the tokens in a
     row the output has agreed with it (0: no prediction, or lost), always unique.
     """
 
     name = "prediction"
+    request_fields = ("prediction",)
     # Acceptance priors per band of agreement (first drafted token, each further one once the
     # one before was accepted), as controller.MATCH_PRIORS: a client's prediction is usually
     # right where it is aligned; the estimates then follow what the target accepts.
@@ -96,6 +97,12 @@ class PredictionDrafter(LookupDrafter):
         """This generation's predicted output [P] (target token ids; None or empty: none).
         token_bytes(id) gives a token's text, to find line ends (optional)."""
         self._set(ids, token_bytes, self._out_start)
+
+    def take_inputs(self, request: DraftingRequest) -> None:
+        self.set_prediction(request.inputs.get("prediction"), request.token_bytes)
+
+    def input_counts(self) -> tuple[int, int] | None:
+        return (self.accepted, self.rejected) if self.has_prediction else None
 
     def fork(self, seq: int) -> "PredictionDrafter":
         return PredictionDrafter()

@@ -38,7 +38,7 @@ class TreeDrafting:
 
 def set_tree_options(drafter, nodes: int, width: int | None = None) -> None:
     """Set the tree budget (and width) of a drafter and of every source of a controller."""
-    for d in [drafter] + [s.drafter for s in getattr(drafter, "sources", ())]:
+    for d in [drafter, *drafter.members()]:
         if isinstance(d, TreeDrafting):
             d.tree_nodes = nodes
             if width is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
+from ..control.planner import PlannedDrafter
+
 # The files of the page, by URL path, with their media types. Served without the API key
 # (they hold no generated text); the page asks for the key and keeps it in memory only.
 UI_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
@@ -31,7 +33,7 @@ def info_view(decoder: Any, model_name: str) -> dict:
     with, the drafters a request may name (``speculative.draft``), K and whether the target
     verifies trees of drafts."""
     drafter = decoder.drafter
-    names = list(getattr(drafter, "drafter_names", None) or ([drafter.name] if drafter.name != "none" else []))
+    names = [m.name for m in drafter.members()] or ([drafter.name] if drafter.name != "none" else [])
     return {"model": model_name, "draft": decoder.draft_name, "drafters": names,
             "num_speculative_tokens": decoder.engine.num_speculative_tokens,
             "trees": bool(getattr(decoder.target, "supports_tree", False)), "n_ctx": decoder.target.n_ctx}
@@ -42,7 +44,7 @@ def cost_view(decoder: Any, model_name: str) -> dict:
     measured, "observed": [[n, seconds]] the medians of recent live steps}, ``copy_limit``
     L = 33 T(1) / T(33), and ``drafters`` = [{"name", "seconds_per_token"}]; ``target`` is
     None (with a ``note``) for a drafter at a fixed K, which plans with no curve."""
-    curve = getattr(decoder.drafter, "target_cost", None)
+    curve = decoder.drafter.target_cost if isinstance(decoder.drafter, PlannedDrafter) else None
     if curve is None:
         return {"model": model_name, "target": None, "drafters": [],
                 "note": f"the drafter {decoder.drafter.name!r} runs at a fixed K: no cost curve is planned with "

@@ -340,8 +340,7 @@ class Worker:
             lp = r.logprobs.format(delta.logprobs or []) if r.logprobs is not None else None
             trace = None
             if r.job.req.trace:
-                explain = getattr(r.gen.drafter if r.gen is not None else None, "explain", None)
-                trace = trace_of(delta, explain() if callable(explain) else None)
+                trace = trace_of(delta, (r.gen.drafter.explain() or None) if r.gen is not None else None)
             r.job.post("delta", (r.index, str(delta), lp, trace))
 
     def _finish_choice(self, r: _Running) -> None:
