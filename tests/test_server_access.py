@@ -50,12 +50,14 @@ class ByteBackend(BackendBase):
         self.name, self._n_vocab, self._n_ctx, self._eog = MODEL, EOS + 1, n_ctx, frozenset({EOS})
         self.tokens: list[int] = []
         self.entered, self.release = threading.Event(), threading.Event()
-        self.forwards = 0
+        self.forwards = self.tokenized = self.slow = 0
 
     _kv_len = property(lambda self: len(self.tokens))
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self.tokenized += 1
         if text.startswith(SLOW):
+            self.slow += 1
             self.entered.set()
             assert self.release.wait(60), "the test never released the slow tokenization"
         return list(text.encode())
@@ -142,7 +144,9 @@ def test_host_names_this_server_or_is_refused():
     local = HostOriginPolicy("127.0.0.1")
     for ok in (None, "127.0.0.1:8000", "localhost:8000", "LOCALHOST", "localhost.", "[::1]:8000", "127.0.0.2"):
         assert local.check(ok, None) is None, ok
-    for bad in ("rebind.evil.example:8000", "evil.example", "localhost.evil.example", "10.0.0.5:8000", ""):
+    assert local.check("[::ffff:127.0.0.1]:8000", None) is None  # IPv4-mapped loopback
+    for bad in ("rebind.evil.example:8000", "evil.example", "localhost.evil.example", "10.0.0.5:8000", "",
+                "localhost:evil", "[::1]evil", "[::1]:80@evil.example"):
         err = local.check(bad, None)
         assert err is not None and err.status == 403 and err.param == "Host" and repr(bad) in err.message, bad
     named = HostOriginPolicy("127.0.0.1", allowed_hosts=("my-box.local",))
@@ -337,3 +341,82 @@ def test_a_neighbour_is_served_while_a_maximal_prediction_is_prepared(server, ba
             backend.release.set()
         done = pending.result(timeout=60)
     assert done.status_code == 200 and done.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_duplicate_host_or_origin_headers_are_refused(server):
+    for name, value in (("Host", f"127.0.0.1:{server.port}"), ("Origin", server.url)):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            first = f"Host: 127.0.0.1:{server.port}\r\n" if name == "Origin" else ""
+            s.sendall(f"GET /v1/models HTTP/1.1\r\n{first}{name}: {value}\r\n{name}: evil.example\r\n"
+                      "Connection: close\r\n\r\n".encode())
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 403") and f'"param":"{name}"'.encode() in reply, reply[:300]
+
+
+def test_listed_origins_are_matched_as_browsers_send_them(decoder):
+    with ServerThread(create_app(decoder, cors_origins=("HTTP://LocalHost:3000/", "http://localhost:80"))) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as h:
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+        for origin in ("http://localhost:3000", "http://localhost"):
+            r = h.options("/v1/chat/completions", headers={"Origin": origin, **ask})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, (origin, r.text)
+            r = h.post("/v1/chat/completions", json=CHAT, headers={"Origin": origin})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+
+
+@pytest.mark.parametrize("method,path,status", [("POST", "/v1/nothing-here", 404), ("POST", "/v1/models", 405),
+                                                ("POST", "/health", 405)])
+def test_a_big_body_to_a_route_that_reads_none_is_answered(server, method, path, status):
+    req = urllib.request.Request(server.url + path, data=b"x" * (8 << 20), method=method,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == status and json.loads(e.value.read())["error"]["message"]
+
+
+def test_a_chunked_body_whose_last_chunk_passes_the_limit_gets_its_413(server):
+    """The over-limit chunk is also the last: nothing is left to drain (this hung once)."""
+    body = json.dumps({"model": MODEL, "prompt": "x" * (1 << 16)}).encode()
+    with httpx.Client(base_url=server.url, timeout=30) as h:
+        r = h.post("/v1/completions", content=iter([body[:1000], body[1000:]]),
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_before_it_is_tokenized():
+    b = ByteBackend(n_ctx=512)
+    with Decoder(target=b, draft="none", num_speculative_tokens=0, progress=False) as dec, \
+            ServerThread(create_app(dec)) as s, httpx.Client(base_url=s.url, timeout=60) as h:
+        huge = dict(CHAT, messages=[{"role": "user", "content": "y" * (32 * 512 + 1)}])  # 32 bytes per token
+        err = error_of(h.post("/v1/chat/completions", json=huge), 400, "messages")
+        assert err["code"] == "context_length_exceeded" and "bytes" in err["message"]
+        assert b.tokenized == 0
+        fits = dict(CHAT, messages=[{"role": "user", "content": "y" * 400}])
+        assert h.post("/v1/chat/completions", json=fits).status_code == 200 and b.tokenized == 1
+
+
+def test_requests_waiting_to_be_prepared_get_503_when_the_server_stops():
+    """Both preparation threads busy with slow tokenizations and a third request queued behind
+    them: stopping answers every one with a JSON 503, none with a 500."""
+    b = ByteBackend()
+    dec = Decoder(target=b, draft="none", num_speculative_tokens=0, progress=False)
+    slow = {"model": MODEL, "prompt": SLOW + " hi", "max_tokens": 4, "temperature": 0}
+    app = create_app(dec)
+    try:
+        with ServerThread(app) as s, ThreadPoolExecutor(3) as pool, httpx.Client(base_url=s.url, timeout=60) as h:
+            pending = [pool.submit(h.post, "/v1/completions", json=slow) for _ in range(3)]
+            for _ in range(3000):  # both threads inside the slow tokenizer: counted, not timed
+                if b.slow >= 2:
+                    break
+                threading.Event().wait(0.01)
+            assert b.slow == 2, "the preparation threads never both started"
+            app.state.worker.stop(timeout=0)  # as SIGTERM does
+            b.release.set()
+            answers = [p.result(timeout=60) for p in pending]
+    finally:
+        b.release.set()
+        dec.close()
+    for r in answers:
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text

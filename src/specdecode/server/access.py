@@ -78,6 +78,37 @@ async def drain(scope: dict, receive: Callable) -> None:
             return
 
 
+class DrainUnread:
+    """ASGI middleware, outermost: whatever answers a request before reading its whole body
+    (a refused Host, Origin or key, a 413, 415, 404 or 405, a GET with a body), the rest of
+    the body is read and discarded (:func:`drain`) before the answer starts, so that a client
+    that closes after sending reads the answer instead of a reset connection."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        done = False
+
+        async def tracked() -> dict:
+            nonlocal done
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                done = True
+            return message
+
+        async def answer(message: dict) -> None:
+            nonlocal done
+            if message["type"] == "http.response.start" and not done:
+                done = True
+                await drain(scope, tracked)
+            await send(message)
+
+        await self.app(scope, tracked, answer)
+
+
 def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         return ipaddress.ip_address(name)
@@ -92,11 +123,13 @@ def split_host(value: str) -> tuple[str, str]:
     value = value.strip().lower()
     if value.startswith("["):
         name, _, rest = value[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
+        port = rest[1:] if rest.startswith(":") else rest
     elif value.count(":") == 1:
         name, _, port = value.partition(":")
     else:  # a bare name, or an unbracketed IPv6 literal
         name, port = value, ""
+    if port and not port.isdigit():  # "localhost:evil", "[::1]evil": names no server
+        return "", ""
     return name.rstrip("."), port
 
 
@@ -139,7 +172,9 @@ class HostOriginPolicy:
             return True
         name, _ = split_host(host)
         ip = _ip(name)
-        return name in self.names or (ip is not None and (ip.is_loopback or self.any_ip))
+        mapped = getattr(ip, "ipv4_mapped", None)  # [::ffff:127.0.0.1]
+        return bool(name) and (name in self.names or (ip is not None and (ip.is_loopback or self.any_ip or
+                                                                        bool(mapped and mapped.is_loopback))))
 
     def cors_allowed(self, origin: str) -> bool:
         """Whether a page of this (other) origin may call the server (``--cors-origins``)."""
@@ -180,13 +215,15 @@ class AccessGuard:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            host, origin = headers.get(b"host"), headers.get(b"origin")
-            error = self.policy.check(host.decode("latin-1") if host is not None else None,
-                                      origin.decode("latin-1") if origin is not None else None)
+            host = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+            origin = [v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"]
+            error = self.policy.check(host[0] if host else None, origin[0] if origin else None)
+            for name, values in (("Host", host), ("Origin", origin)):
+                if len(values) > 1:  # which one a proxy or a check reads would differ
+                    error = APIError(403, f"the request has {len(values)} {name} headers: send one",
+                                     type="permission_error", param=name, code=f"{name.lower()}_not_allowed")
             if error is not None:
                 self._on_reject()
-                await drain(scope, receive)
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -212,7 +249,6 @@ class APIKeyGuard:
             error = self._check(dict(scope["headers"]).get(b"authorization"))
             if error is not None:
                 self._on_reject()
-                await drain(scope, receive)
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -14,7 +14,8 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from .access import AccessGuard, APIKeyGuard, HostOriginPolicy, drain, error_response, require_json
+from .access import (AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin,
+                     require_json)
 from .config import ServerOptions
 from .metrics import Metrics
 from .page import UI_FILES, cost_view, info_view, ui_file
@@ -55,29 +56,25 @@ async def _next_event(job: Job, disconnect: asyncio.Task) -> tuple[str, Any]:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes: a larger one is refused (413), from its
-    Content-Length or, sent without one (chunked), once what has arrived passes the limit.
-    Either way the rest is read to its end and discarded first (:func:`.access.drain`), so
-    that the client gets the 413 rather than a reset connection; nothing past the limit is
-    kept. A body not sent as JSON is refused (415) the same way."""
+    Content-Length before anything is read or, sent without one (chunked), once what has
+    arrived passes the limit; nothing past the limit is kept (the rest is read and discarded
+    before the answer, :class:`.access.DrainUnread`). A body not sent as JSON is refused (415)."""
     def too_large(size: str) -> APIError:
         return APIError(413, f"the request body has {size} bytes, more than this server reads ({limit} bytes, "
                         "--max-body-bytes)", code="request_too_large")
 
-    try:
-        require_json(request.headers.get("content-type"))
-    except APIError:
-        await drain(request.scope, request.receive)
-        raise
+    require_json(request.headers.get("content-type"))
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
-        await drain(request.scope, request.receive)
         raise too_large(length)
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
+    body, more = bytearray(), True
+    while more:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise APIError(400, "the client disconnected before its request body ended")
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
         if len(body) > limit:
-            body.clear()
-            await drain(request.scope, request.receive)
             raise too_large(f"over {limit}")
     return bytes(body)
 
@@ -119,18 +116,20 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
     app.state.model_name = options.model_name
     app.state.options = options
     app.state.replica = None  # set by a Ray Serve replica (server.ray_serve)
-    # Middleware added last runs first: Host and Origin, then CORS (which answers a listed
-    # origin's preflight), then the API key.
+    # Middleware added last runs first: the drain of unread bodies, Host and Origin, then CORS
+    # (which answers a listed origin's preflight), then the API key.
     if options.api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=options.api_key, open_paths=OPEN_PATHS,
                            on_reject=lambda: worker.metrics.rejected.labels(reason="unauthorized").inc())
     if options.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=[normalize_origin(o) or o for o in options.cors_origins],
+                           allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.add_middleware(AccessGuard, policy=HostOriginPolicy(options.host, options.allowed_hosts, options.cors_origins),
                        on_reject=lambda: worker.metrics.rejected.labels(reason="forbidden").inc())
+    app.add_middleware(DrainUnread)
     _add_error_handlers(app)
     _Routes(app, decoder, options, worker).add_to(app)
     return app
@@ -293,7 +292,7 @@ class _Routes:
         try:
             body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
             req = parse_request(body, kind, self.model_name, self.worker.n_ctx, self.worker.tool_format)
-            prepared = await self.worker.prepare_async(req)
+            prepared = await self.worker.preparer.prepare_async(req)
         except APIError as e:
             reason = {404: "model_not_found", 413: "too_large", 415: "unsupported_media_type",
                       503: "shutting_down"}.get(e.status, "invalid_request")

@@ -31,6 +31,9 @@ DEFAULT_HOST = "127.0.0.1"
 # The most bytes of prediction text per allowed token (checked before tokenizing: code runs
 # at 3-5 bytes a token, a long run of spaces at a few dozen).
 PREDICTION_BYTES_PER_TOKEN = 16
+# A prompt with more bytes of text per token of the context than this cannot fit it (text runs
+# at 3-5 bytes a token): refused before it is tokenized.
+PROMPT_BYTES_PER_TOKEN = 32
 DEFAULT_PORT = 8000
 
 

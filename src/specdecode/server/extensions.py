@@ -37,25 +37,25 @@ def _error(message: str, param: str) -> SpecDecodeError:
     return SpecDecodeError(message, param=param)  # the request's parser answers it as a 400
 
 
-def parse_prediction(value: Any) -> str | None:
-    """The predicted output's text, or None (absent or null). Raises SpecDecodeError (param:
-    the field) for any other shape."""
+def parse_content(value: Any, field: str = "prediction") -> str | None:
+    """The text of a request field in OpenAI's predicted-output shape (``prediction``, and
+    any field a drafter kind reads: ``{"type": "content", "content": str | [text parts]}``),
+    or None (absent, null or empty). Raises SpecDecodeError (param: the field) for any other shape."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") != "content" or set(value) != {"type", "content"}:
-        raise _error(f'prediction must be {{"type": "content", "content": ...}}, got {json_repr(value)}',
-                     "prediction")
+        raise _error(f'{field} must be {{"type": "content", "content": ...}}, got {json_repr(value)}', field)
     content = value["content"]
     if isinstance(content, list):
         for i, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                     and set(part) == {"type", "text"}):
-                raise _error(f'prediction.content[{i}] must be {{"type": "text", "text": ...}}, got '
-                             f"{json_repr(part)}", f"prediction.content[{i}]")
+                raise _error(f'{field}.content[{i}] must be {{"type": "text", "text": ...}}, got '
+                             f"{json_repr(part)}", f"{field}.content[{i}]")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise _error(f"prediction.content must be a string or a list of text parts, got {json_repr(content)}",
-                     "prediction.content")
+        raise _error(f"{field}.content must be a string or a list of text parts, got {json_repr(content)}",
+                     f"{field}.content")
     return content or None
 
 

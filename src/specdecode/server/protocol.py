@@ -10,7 +10,7 @@ in the package docstring (:mod:`specdecode.server`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..errors import SpecDecodeError
@@ -19,7 +19,8 @@ from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
 from ..request import GenerationOptions
 from ..sampling import SamplingParams
-from .extensions import parse_prediction, parse_speculative, wants_trace
+from ..drafters.kinds import request_fields
+from .extensions import parse_content, parse_speculative, wants_trace
 from .apierror import APIError, from_specdecode_error
 from .body import MAX_JSON_DEPTH, parse_json_body
 from .toolcalls import ToolCallFormat
@@ -40,8 +41,8 @@ DEFAULT_TEMPERATURE = 1.0
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream",
-    "stream_options", "logprobs", "n", "user", "response_format", "prediction", "speculative",
-})
+    "stream_options", "logprobs", "n", "user", "response_format", "speculative",
+})  # and the request fields that feed a drafter kind (kinds.request_fields(): prediction, ...)
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 # Standard fields accepted only at the value that asks for nothing beyond what is served.
@@ -63,8 +64,8 @@ class GenRequest:
     temperature always set, stop, logprobs, grammar), all but max_tokens, which is settled
     once the prompt is tokenized; :meth:`choice_options` gives a choice's complete options.
     n: choices, 1..MAX_N, each its own sequence. tools: the tools the chat template
-    presents and the output is read for (:mod:`.tools`), None without. prediction: its text
-    (:mod:`.extensions`).
+    presents and the output is read for (:mod:`.tools`), None without. inputs: the text of
+    each request field that feeds a drafter kind (``prediction``, :mod:`.extensions`).
     """
 
     kind: str
@@ -75,7 +76,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     n: int = 1
-    prediction: str | None = None
+    inputs: dict = field(default_factory=dict)
     tools: ToolRequest | None = None
     trace: bool = False  # speculative.trace: streamed chunks carry speculation_trace (:func:`.extensions.trace_of`)
 
@@ -220,7 +221,7 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
     """
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
-    _check_fields(body, _COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS)
+    _check_fields(body, (_COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS) | set(request_fields()))
     b = _Body(body)
     _check_model(b, model_name)
     prompt, messages = _parse_prompt(body, kind)
@@ -241,13 +242,14 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
         grammar = tools.grammar()
     b.string("user")
     try:
-        prediction, trace = parse_prediction(body.get("prediction")), wants_trace(body.get("speculative"))
+        inputs = {f: text for f in request_fields() if (text := parse_content(body.get(f), f)) is not None}
+        trace = wants_trace(body.get("speculative"))
         options = GenerationOptions(sampling=sampling, stop=stop, logprobs=logprobs, grammar=grammar,
                                     **parse_speculative(body.get("speculative")))
     except SpecDecodeError as e:
         raise from_specdecode_error(e) from None
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,
-                      stream=stream, include_usage=include_usage, n=n, tools=tools, prediction=prediction, trace=trace)
+                      stream=stream, include_usage=include_usage, n=n, tools=tools, inputs=inputs, trace=trace)
 
 
 def _check_model(b: _Body, model_name: str) -> None:

@@ -14,18 +14,17 @@ import contextlib
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from jinja2 import TemplateError
 
 from ..errors import SpecDecodeError
-from ..grammar import check_grammar
-from .config import PREDICTION_BYTES_PER_TOKEN, ServerOptions
-from .extensions import FIELD_OF_OPTION, trace_of
+from .config import ServerOptions
+from .prepare import Prepared, Preparer, request_error
+from .extensions import trace_of
 from .metrics import Metrics
-from .protocol import APIError, GenRequest, from_specdecode_error, resolve_max_tokens
+from .protocol import APIError, GenRequest
 from .toolcalls import tool_call_format
 
 
@@ -46,7 +45,7 @@ class Job:
     req: GenRequest
     loop: asyncio.AbstractEventLoop
     arrival: float
-    prepared: "Prepared | None" = None  # None: prepared on the worker thread when admitted
+    prepared: Prepared | None = None  # None: prepared on the worker thread when admitted
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -58,23 +57,6 @@ class Job:
             pass
 
 
-# Threads that prepare requests (tokenize, compile grammars) beside the worker's steps: a
-# request with a long prompt or prediction does not hold up a short one's preparation, and
-# preparations take at most this many cores from the steps.
-PREPARE_THREADS = 2
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What a request needs before its first step, made off the worker thread
-    (:meth:`Worker.prepare`): the prompt's token ids [L], max_tokens per choice, and the
-    prediction's token ids [P] (None without one)."""
-
-    ids: list
-    max_tokens: int
-    prediction: tuple | None
-
-
 @dataclass(eq=False)
 class _Running:
     """A job holding a slot: its current choice's generation and what it has produced."""
@@ -82,7 +64,7 @@ class _Running:
     job: Job
     logprobs: "_LogprobsFormat | None"
     index: int = 0  # the choice being generated
-    prepared: Prepared | None = None  # the prompt's and prediction's tokens (once for all choices)
+    prepared: Prepared | None = None  # the prompt's and inputs' tokens (once for all choices)
     gen: Any = None  # the engine's Generation of this choice
     results: list = field(default_factory=list)  # (GenerationResult, logprobs object or None) per finished choice
     first: float | None = None  # when the job's first step came back
@@ -119,10 +101,7 @@ class Worker:
         self._active: list[_Running] = []
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._preparer: ThreadPoolExecutor | None = None
-        # The longest prediction a request may send, in tokens and in bytes of text.
-        self.max_prediction_tokens = options.max_prediction_tokens or self.n_ctx
-        self.max_prediction_bytes = PREDICTION_BYTES_PER_TOKEN * self.max_prediction_tokens
+        self.preparer = Preparer(decoder, options, self.n_ctx)  # what a request brings, off this thread
         self.metrics = metrics_factory(self)
 
     def queue_len(self) -> int:
@@ -137,7 +116,7 @@ class Worker:
         """Start the worker thread."""
         with self._cond:
             self._stop = False
-        self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="specdecode-prepare")
+        self.preparer.start()
         self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
         self._thread.start()
 
@@ -158,8 +137,7 @@ class Worker:
             for r in self._active:
                 r.job.cancelled.set()
             self._cond.notify_all()
-        if self._preparer is not None:
-            self._preparer.shutdown(wait=timeout > 0, cancel_futures=True)
+        self.preparer.stop(wait=timeout > 0)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -167,44 +145,6 @@ class Worker:
     def stopping(self) -> bool:
         """Whether the worker has been told to stop (it takes no more jobs)."""
         return self._stop
-
-    async def prepare_async(self, req: GenRequest) -> Prepared:
-        """:meth:`prepare` on the preparation thread, so that neither the event loop nor the
-        worker's steps wait for it (the worker itself prepares when that thread is gone)."""
-        if self._preparer is None:
-            return self.prepare(req)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._preparer, self.prepare, req)
-        except RuntimeError:  # shut down: the server is stopping
-            raise APIError(503, "the server is shutting down", type="server_error") from None
-
-    def prepare(self, req: GenRequest) -> Prepared:
-        """Tokenize a request's prompt (chat template and tools included) and prediction,
-        settle its max_tokens and compile its grammar (kept in the grammar cache for the
-        worker): the work a request brings, done before it is queued, so that a long prompt
-        or prediction or a new schema costs its own request time, not its neighbours' steps.
-        Raises APIError 400 for what the request got wrong: a prompt that does not fit, a
-        template that refuses the messages, a grammar that does not compile, and a
-        prediction over max_prediction_tokens tokens or max_prediction_bytes bytes (param
-        prediction, checked in bytes before it is tokenized)."""
-        try:
-            size = len(req.prediction.encode()) if req.prediction else 0
-            if size > self.max_prediction_bytes:
-                raise APIError(400, f"prediction has {size} bytes, more than this server takes ({self.max_prediction_bytes} bytes: "
-                               f"{PREDICTION_BYTES_PER_TOKEN} per token of --max-prediction-tokens "
-                               f"{self.max_prediction_tokens})", param="prediction", code="prediction_too_large")
-            ids = self.decoder.prompt_ids(req.prompt, req.messages, req.tools.tools if req.tools else None)
-            max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
-            prediction = tuple(self.decoder.prediction_ids(req.prediction)) if req.prediction else ()
-            if len(prediction) > self.max_prediction_tokens:
-                raise APIError(400, f"prediction has {len(prediction)} tokens, more than this server takes "
-                               f"({self.max_prediction_tokens}, --max-prediction-tokens; default the context size)",
-                               param="prediction", code="prediction_too_large")
-            if req.options.grammar is not None:
-                check_grammar(req.options.grammar, self.decoder.target)
-        except (SpecDecodeError, TemplateError) as e:
-            raise request_error(e, req) from None
-        return Prepared(ids, max_tokens, prediction or None)
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when slots and queue are full (or the worker stopped).
@@ -301,14 +241,14 @@ class Worker:
         """Tokenize the job's prompt and begin its first choice (prefilled in its slot)."""
         if r.job.cancelled.is_set():
             return self._cancelled(r)
-        r.prepared = r.job.prepared or self.prepare(r.job.req)
+        r.prepared = r.job.prepared or self.preparer.prepare(r.job.req)
         self._begin_choice(r)
 
     def _begin_choice(self, r: _Running) -> None:
         p = r.prepared
         options = r.job.req.choice_options(r.index, p.max_tokens)
-        if p.prediction:
-            options = replace(options, prediction=p.prediction)
+        if p.inputs:
+            options = replace(options, inputs=p.inputs)
         r.gen = self.decoder.begin(prompt_ids=p.ids, options=options)
         r.gen.out.trace = r.job.req.trace and r.job.req.stream  # deltas say where their text came from
 
@@ -368,16 +308,6 @@ class Worker:
         # answered sees its request in them.
         self.metrics.record([res for res, _ in r.results], r.job.arrival, r.first or end, end)
         r.job.post("choice", (r.index, result, lp))
-
-
-def request_error(e: SpecDecodeError | TemplateError, req: GenRequest) -> APIError:
-    """The 400 for what a request asked that the model or the loaded drafters refused (its
-    fields were checked on arrival; what is left concerns the prompt itself, the chat
-    template's own checks, or the speculation asked for: speculative, prediction)."""
-    if isinstance(e, TemplateError):  # e.g. roles must alternate
-        return APIError(400, f"the model's chat template rejected the messages: {e}", param="messages")
-    field_ = FIELD_OF_OPTION.get(e.param) or ("prompt" if req.kind == "completion" else "messages")
-    return APIError(400, str(e), param=field_) if e.param in FIELD_OF_OPTION else from_specdecode_error(e, field_)
 
 
 class _LogprobsFormat:

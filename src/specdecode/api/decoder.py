@@ -1,4 +1,4 @@
-"""Python API: a reusable :class:`Decoder` that keeps models loaded, and :func:`generate`.
+"""The :class:`Decoder`: a target and a drafter loaded once for many generations, and :func:`generate`.
 
 Example::
 
@@ -19,19 +19,19 @@ import threading
 from typing import Any, Iterator, Sequence
 
 
-from .assembly import registry
-from .backends.base import Backend, claim_backends, release_backends
-from .drafters.kinds import check_draft_options, resolve
-from .engine import Generation, drive
-from .errors import SpecDecodeError
-from .limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
+from ..assembly import registry
+from ..backends.base import Backend, claim_backends, release_backends
+from ..drafters.kinds import check_draft_options, resolve
+from ..engine import Generation, drive
+from ..errors import SpecDecodeError
+from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
     check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
-from .assembly.loading import load_backend, make_speculation
-from .messages import check_messages, template_messages
-from .output import GenerationResult, TextDelta
-from .parity import NEAR_TIE_GAP, parity_report
-from .request import GenerationOptions
+from ..assembly.loading import load_backend, make_speculation
+from ..messages import check_messages, template_messages
+from ..output import GenerationResult, TextDelta
+from ..request import GenerationOptions
+from .compare import compare
 
 
 class Decoder:
@@ -143,7 +143,7 @@ class Decoder:
         self.target.close()
         release_backends(self._given)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise SpecDecodeError("this Decoder is closed: make a new Decoder to generate again")
 
@@ -175,7 +175,7 @@ class Decoder:
 
     def _prompt_ids(self, prompt: str | None, messages: Sequence[dict] | None,
                     tools: Sequence[dict] | None = None) -> list[int]:
-        self._check_open()
+        self.check_open()
         if messages is not None:
             checked = template_messages(check_messages(list(messages) if isinstance(messages, tuple) else messages))
             text = (self.target.apply_chat_template(checked, tools=tools) if tools else
@@ -214,7 +214,8 @@ class Decoder:
         logprobs (N most likely tokens per emitted token), plain (decode without the drafter:
         the baseline), num_speculative_tokens (K for this call), prediction (the output
         expected, as text: drafts follow it, see :mod:`specdecode.drafters.prediction`; the
-        output stays the target's), draft (which loaded drafter this call may use: "auto",
+        output stays the target's), inputs ({field: text or token ids}: what a drafter kind fed
+        by another request field drafts from, its row's ``request_field``), draft (which loaded drafter this call may use: "auto",
         "none", "ngram", "suffix", "prediction" or the draft model's name), record_top2_gaps (the
         target's top-2 logit gap per token, for parity reports), grammar (structured output,
         e.g. ``specdecode.grammar.Grammar.json_schema({...})``, ``Grammar("regex", "[0-9]+")``, ``Grammar("lark",
@@ -244,7 +245,7 @@ class Decoder:
         ids, options = self._request(prompt, messages, prompt_ids, options, fields)
         me = threading.get_ident()
         with self._lock:
-            self._check_open()
+            self.check_open()
             while not self.engine.free_slots():
                 mine = sum(1 for owner in self._owners.values() if owner == me)
                 if mine:
@@ -254,7 +255,7 @@ class Decoder:
                         f"generations begun with begin() with end(), or use a Decoder with parallel > 1)",
                         param="parallel")
                 self._lock.wait()
-                self._check_open()
+                self.check_open()
             gen = self.engine.begin(ids, options)
             self._owners[gen] = me
             return gen
@@ -262,13 +263,13 @@ class Decoder:
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
         """One batched step of the running generations (see :meth:`begin`); their deltas."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             return self.engine.step(gens)
 
     def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
         """Finish a generation (done or abandoned) and free its slot: [last delta,] result."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             try:
                 return self.engine.end(gen)
             finally:
@@ -277,20 +278,25 @@ class Decoder:
                     self._lock.notify_all()
 
     def prediction_ids(self, prediction: str | Sequence[dict]) -> list[int]:
-        """A predicted output (text, or OpenAI's list of text parts) as target token ids,
-        tokenized once with the target's tokenizer (no BOS, special tokens as text).
-        Raises SpecDecodeError (param prediction) for anything else."""
-        if isinstance(prediction, list):
-            for i, p in enumerate(prediction):
+        """A predicted output as target token ids: :meth:`input_ids` of the field prediction."""
+        return self.input_ids(prediction, "prediction")
+
+    def input_ids(self, text: str | Sequence[dict], field: str = "prediction") -> list[int]:
+        """A request-fed input (text, or OpenAI's list of text parts) as target token ids,
+        tokenized once with the target's tokenizer (no BOS, special tokens as text); safe
+        beside a running step where the tokenizer is (``thread_safe_tokenizer``). field: the
+        input's name, for errors. Raises SpecDecodeError (param: the field) for anything else."""
+        if isinstance(text, list):
+            for i, p in enumerate(text):
                 if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                    raise SpecDecodeError(f'prediction[{i}] must be {{"type": "text", "text": ...}}, got {p!r:.60}',
-                                          param=f"prediction[{i}]")
-            prediction = "".join(p["text"] for p in prediction)
-        if not isinstance(prediction, str):
-            raise SpecDecodeError(f"prediction must be a string, got {type(prediction).__name__}", param="prediction")
+                    raise SpecDecodeError(f'{field}[{i}] must be {{"type": "text", "text": ...}}, got {p!r:.60}',
+                                          param=f"{field}[{i}]")
+            text = "".join(p["text"] for p in text)
+        if not isinstance(text, str):
+            raise SpecDecodeError(f"{field} must be a string, got {type(text).__name__}", param=field)
         with self._tokenizer_lock():
-            self._check_open()
-            return self.target.tokenize(check_text(prediction, "prediction"), add_special=False, parse_special=False)
+            self.check_open()
+            return self.target.tokenize(check_text(text, field), add_special=False, parse_special=False)
 
     def generate_ids(self, prompt_ids: Sequence[int], **options) -> GenerationResult:
         """Token ids in, token ids out: generate from prompt_ids [L >= 1] (for a model over
@@ -324,18 +330,22 @@ class Decoder:
 
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
         self._check_codes(prompt, messages, {**fields, "options": options})
-        pred = fields.get("prediction")
-        text = getattr(self.target, "has_text", True)
-        if text and (isinstance(pred, str) or isinstance(pred, list) and not all(isinstance(t, int) for t in pred)):
-            fields = {**fields, "prediction": tuple(self.prediction_ids(pred)) or None}  # text: tokenized here
+        if getattr(self.target, "has_text", True):  # request-fed inputs given as text: tokenized here
+            def as_ids(name: str, v):
+                text = isinstance(v, str) or isinstance(v, list) and not all(isinstance(t, int) for t in v)
+                return tuple(self.input_ids(v, name)) if text else v
+            if fields.get("prediction") is not None:
+                fields = {**fields, "prediction": as_ids("prediction", fields["prediction"]) or None}
+            if isinstance(fields.get("inputs"), dict):
+                fields = {**fields, "inputs": {n: as_ids(n, v) for n, v in fields["inputs"].items()}}
         if options is not None and not isinstance(options, GenerationOptions):
             raise SpecDecodeError(f"options must be a GenerationOptions, got {type(options).__name__}", param="options")
         options = GenerationOptions.from_kwargs(options, **fields)
         V = self.target.n_vocab
-        if options.prediction and not all(0 <= t < V for t in options.prediction):
-            bad = next(t for t in options.prediction if not 0 <= t < V)
-            raise SpecDecodeError(f"prediction id {bad} is outside the vocabulary of {self.target.name} (0..{V - 1})",
-                                  param="prediction")
+        for name, ids in options.request_inputs().items():
+            if bad := [t for t in ids if not 0 <= t < V]:
+                raise SpecDecodeError(f"{name} id {bad[0]} is outside the vocabulary of {self.target.name} "
+                                      f"(0..{V - 1})", param=name)
         if prompt_ids is not None:
             if prompt is not None or messages is not None:
                 raise SpecDecodeError("give exactly one of prompt, messages or prompt_ids")
@@ -346,60 +356,9 @@ class Decoder:
         return self.prompt_ids(prompt, messages), options
 
     def compare(self, prompt: str | None = None, **kwargs) -> tuple[GenerationResult, GenerationResult, dict]:
-        """Run speculatively and plainly on the same input; returns (speculative, plain, report).
-
-        Plain decoding runs before and after the speculative run (plain, speculative, plain),
-        so that load that rises or falls over the comparison weighs on both sides alike. (One
-        speculative run, not two: a drafter that learns across requests, suffix drafting,
-        would have the answer the second time.) The plain result returned is the first.
-
-        report: speedup (the speculative decode tokens/s over the two plain runs' tokens over
-        their seconds), halves (against the plain run before and the one after: their spread
-        says how much the machine's load moved the figure), load_changed (True when the halves differ by
-        more than 10%, with a warning line in ``note``), and the parity report of
-        :func:`specdecode.parity.parity_report` for greedy runs and seeded sampling under the
-        gumbel rule (the default with a seed).
-        """
-        kwargs.pop("plain", None)
-        self._check_open()
-        runs: dict[bool, list[GenerationResult]] = {False: [], True: []}
-        for plain in (True, False, True):
-            self.engine.forget_prefix()  # each run prefills, as it would alone
-            runs[plain].append(self.generate(prompt, plain=plain, record_top2_gaps=True, **kwargs))
-        spec, base = runs[False][0], runs[True][0]
-        report: dict = {"speedup": _speedup(runs[False], runs[True]),
-                        "halves": [_speedup(runs[False], [runs[True][0]]), _speedup(runs[False], [runs[True][1]])]}
-        h = report["halves"]
-        report["load_changed"] = bool(h[0] and h[1] and abs(h[0] - h[1]) > 0.1 * max(h))
-        if report["load_changed"]:
-            report["note"] = (f"the machine's load changed during the comparison: the two halves gave {h[0]}x and "
-                              f"{h[1]}x; run it again on a quieter machine for a firm figure")
-        given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options", "prediction")}
-        sampling = GenerationOptions.from_kwargs(kwargs.get("options"), **given).sampling
-        if not (sampling.greedy or sampling.keyed and sampling.seed is not None):
-            report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "
-                                          "compares distributions, not tokens"}
-        elif spec.stats.invariant_block and base.stats.invariant_block:
-            # Both batch-invariant: every row had a one-token step's logits, so any difference is a bug.
-            report["parity"] = parity_report(spec, base, 0.0)
-        elif sampling.greedy:
-            report["parity"] = parity_report(spec, base)
-        else:
-            # The same seed gives the same tokens; gaps are of the noisy log-probabilities,
-            # so the logit bound of batched numerics scales by 1 / temperature.
-            report["parity"] = parity_report(spec, base, NEAR_TIE_GAP / sampling.temperature)
-        return spec, base, report
-
-
-def _speedup(spec: list[GenerationResult], plain: list[GenerationResult]) -> float | None:
-    """Decode tokens/s of the speculative runs over the plain runs' (each side's tokens and
-    seconds summed); None when a side decoded nothing."""
-    def rate(rs: list[GenerationResult]) -> float:
-        seconds = sum(r.stats.decode_s for r in rs)
-        return sum(r.stats.completion_tokens for r in rs) / seconds if seconds > 0 else 0.0
-
-    base = rate(plain)
-    return round(rate(spec) / base, 3) if base > 0 else None
+        """Run speculatively and plainly on the same input; returns (speculative, plain,
+        report): :func:`specdecode.api.compare.compare`."""
+        return compare(self, prompt, **kwargs)
 
 
 def generate(prompt: str | None = None, **options) -> GenerationResult | Iterator[str]:
