@@ -246,21 +246,63 @@ def test_run_bench_is_a_library_call(smollm_path, tmp_path):
     assert res["meta"]["copy_limit"] == pytest.approx(33 * curve["seconds"][0] / curve["seconds"][-1], rel=1e-2)
 
 
-def test_background_load_takes_its_share_of_the_cpu():
-    """The load's children burn CPU while inside the block and are gone after it."""
-    from specdecode.bench.load import BackgroundLoad, cpus
+def test_background_load_takes_its_share_of_the_cpu(monkeypatch):
+    """Each of the load's processes spins for its duty's share of every period and sleeps the
+    rest (judged on a scripted clock: the share a child gets of a shared machine is the
+    machine's business); the children burn CPU while inside the block and are gone after it."""
+    from specdecode.bench import load as load_mod
+    from specdecode.bench.load import PERIOD_S, BackgroundLoad, cpus
 
     load = BackgroundLoad(0.5)
     assert load.processes == max(1, -(-cpus() // 2)) and 0 < load.duty <= 1
+    assert BackgroundLoad(0.25).duty * BackgroundLoad(0.25).processes == pytest.approx(0.25 * cpus())
+
+    # The duty cycle, in-process on a scripted clock: every read of perf_counter advances it
+    # by 1 ms; sleep advances it by what it is asked.
+    class Clock:
+        now, busy, slept, periods = 0.0, 0.0, 0.0, 0
+
+        def perf_counter(self):
+            self.now += 0.001
+            self.busy += 0.001
+            return self.now
+
+        def sleep(self, s):
+            self.now += s
+            self.slept += s
+            self.periods += 1
+
+    class StopAfter:  # the stop event, set once the clock has passed `seconds`
+        def __init__(self, clock, seconds):
+            self.clock, self.seconds = clock, seconds
+
+        def is_set(self):
+            return self.clock.now >= self.seconds
+
+    for duty in (0.3, 0.5, 1.0):
+        clock = Clock()
+        monkeypatch.setattr(load_mod, "time", clock)
+        load_mod._spin(duty, StopAfter(clock, 20 * PERIOD_S))
+        # Busy its share of every 50 ms period (to the clock's 1 ms step), asleep the rest.
+        assert clock.busy / clock.now == pytest.approx(duty, abs=0.05), (duty, clock.busy, clock.now)
+        assert clock.periods == (0 if duty == 1.0 else 20)
+    monkeypatch.undo()
+
+    # The real children: each accumulates CPU time while inside the block (waited for, not
+    # judged against the clock), and none is left after it.
+    def cpu_s(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     with load:
         procs = list(load._procs)
-        time.sleep(1.0)
-        burnt = 0.0
-        for p in procs:
-            with open(f"/proc/{p.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            burnt += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    assert burnt > 0.1 * load.processes  # each busy about half of a second that lasted > 1 s
+        assert len(procs) == load.processes and all(p.is_alive() for p in procs)
+        deadline = time.monotonic() + 120  # only a bound on a hang: nothing is judged by it
+        while not all(cpu_s(p.pid) >= 0.05 for p in procs):
+            assert time.monotonic() < deadline, [cpu_s(p.pid) for p in procs]
+            time.sleep(0.05)
+        assert all(p.is_alive() for p in procs)
     assert all(not p.is_alive() for p in procs)
 
 

@@ -67,6 +67,29 @@ class ClockedTarget:
         pass
 
 
+class ScriptedClock:
+    """time.perf_counter for one test: it stands still but when a fake backend's forward
+    advances it by that forward's scripted cost, so that the step times the engine hands the
+    controller and its guard are the script's, whatever the machine's load (drafting and the
+    engine's own Python take no time on it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    clock = ScriptedClock()
+    monkeypatch.setattr(time, "perf_counter", clock)  # the engine and controller time steps with it
+    return clock
+
+
 def test_interleaved_rounds_alternate_small_and_large():
     assert interleaved([1, 2, 3, 4, 32, 33]) == [1, 33, 2, 32, 3, 4]
     assert interleaved([1, 2, 3, 4, 32, 33], 1) == [32, 3, 4, 1, 33, 2]
@@ -230,13 +253,14 @@ def test_the_guard_leaves_speculation_alone_when_it_is_ahead_but_keeps_a_plain_r
     assert 4 <= steps.count(".") <= 8  # then rarer probes while well ahead
 
 
-def test_the_guard_on_an_engine_whose_verification_is_dear():
-    """A fake target whose forward costs 3 ms per token (a CPU without flat verification)
-    and a drafter that is always wrong: the guard keeps the generation near plain speed."""
+def test_the_guard_on_an_engine_whose_verification_is_dear(scripted_clock):
+    """A fake target whose forward costs 3 ms per token on the scripted clock (a CPU without
+    flat verification) and a drafter that is always wrong: the guard keeps the generation
+    near plain speed."""
 
     class Dear(ScriptedBackend):
         def forward_batch(self, items):
-            time.sleep(0.003 * sum(len(t) for _, t, _ in items))
+            scripted_clock.advance(0.003 * sum(len(t) for _, t, _ in items))
             return super().forward_batch(items)
 
     class Wrong(DrafterBase):
@@ -261,15 +285,18 @@ def test_the_guard_on_an_engine_whose_verification_is_dear():
     assert spec.stats.target_forward_passes == 300 and sum(
         int(n) for k, n in spec.stats.k_histogram.items() if int(k) > 0) <= 30
     assert "the guard stopped drafting" in c.explain()
+    # What the guard judged is the script (a plain step: one forward of one token), not the machine.
+    assert len(c.guard.plain_s) >= 2 and all(s == pytest.approx(0.003) for s in c.guard.plain_s), c.guard.plain_s
 
 
-def test_the_guard_does_not_slow_an_oracle_drafter():
-    """Verification as flat as on a GPU (2 ms a forward, whatever n) and every draft right:
-    the guard never stops drafting; it only times a few plain steps as its reference."""
+def test_the_guard_does_not_slow_an_oracle_drafter(scripted_clock):
+    """Verification as flat as on a GPU (2 ms a forward on the scripted clock, whatever n)
+    and every draft right: the guard never stops drafting; it only times a few plain steps
+    as its reference."""
 
     class Flat(ScriptedBackend):
         def forward_batch(self, items):
-            time.sleep(0.002)
+            scripted_clock.advance(0.002)
             return super().forward_batch(items)
 
     script = [5 + i % 7 for i in range(100)]
@@ -280,6 +307,7 @@ def test_the_guard_does_not_slow_an_oracle_drafter():
     r = SpeculativeEngine(target, c, 8).generate([2, 3, 4], max_tokens=100)
     assert r.token_ids == script[:100] and r.stats.accepted >= 80
     assert c.guard.stops == 0 and 1 <= c.guard.forced <= 3
+    assert c.guard.plain_s and all(s == pytest.approx(0.002) for s in c.guard.plain_s), c.guard.plain_s
 
 
 def test_the_acceptance_model_learns_from_the_features():

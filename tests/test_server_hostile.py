@@ -387,23 +387,31 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tmp_path):
             time.sleep(0.05)
         waiter = threading.Thread(target=queued, daemon=True)
         waiter.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health", timeout=10).json()["waiting"] < 1:  # the queued one is in the queue
+            assert time.monotonic() < deadline and waiter.is_alive(), outcome
+            time.sleep(0.05)
+        streamed = sum(1 for line in lines if line.startswith("data: "))
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=120)  # only a bound on a hang: how long it took is not judged
         took = time.monotonic() - start
-        reader.join(10)
-        waiter.join(10)
+        reader.join(60)
+        waiter.join(60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
-    assert took < 10, f"SIGTERM took {took:.1f} s"
-    assert rc == 0, (rc, (tmp_path / "serve.log").read_text()[-3000:])
+    assert rc == 0, (rc, took, (tmp_path / "serve.log").read_text()[-3000:])
     assert outcome.get("status") == 200 and outcome.get("end") == "closed", outcome
     data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
     assert data[-1] == "[DONE]", data[-3:]
+    # Judged by what the stream says, not by the clock: the shutdown stopped the generation
+    # (its error chunk) well before its 1900 tokens, rather than letting it run to its end.
     last = json.loads(data[-2])
-    assert "error" in last or last["choices"][0]["finish_reason"], last
+    assert "error" in last and "shutting down" in last["error"]["message"], last
+    texts = [json.loads(d) for d in data[:-2]]
+    assert all(t["choices"][0]["finish_reason"] is None for t in texts), texts[-3:]
+    assert streamed <= len(texts) < 1900, (streamed, len(texts), took)
     assert outcome.get("queued") == 503, outcome
