@@ -71,7 +71,7 @@ def test_grammar_state_equals_plain_decoding_after_every_step():
             super().commit(tokens)
             seen.append(list(tokens))
 
-    import specdecode.engine as eng
+    import specdecode.engine.core as eng
 
     original = eng.GrammarConstraint
     eng.GrammarConstraint = Spy

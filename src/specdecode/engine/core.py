@@ -1,29 +1,6 @@
-"""The speculative decoding loop: one step drafts, verifies and commits; the loop around it
-streams what the step commits.
-
-One step (docs/architecture.md):
-    drafter.propose(committed, k) -> draft [k] (+ draft probs [k, V])
-    target.forward([last committed] + draft) -> target logits [k+1, V]
-    sampling -> target choice (greedy argmax [k+1] or target probs [k+1, V])
-    verify -> num_accepted, next token (recovered or bonus)
-    commit num_accepted + 1 tokens, cut at end-of-generation / max_tokens
-    target.rollback(len(committed) - 1)
-
-What the committed tokens become (text, stop strings, logprobs, statistics) is
-:class:`specdecode.output.OutputAccumulator`'s job.
-
-KV invariant: after every step the target's KV cache of the generation's sequence holds
-exactly committed[:-1] (``target.seq_len(seq) == len(committed) - 1``): the last
-committed token is fed at the start of the next step together with the drafts.
-
-Continuous batching: several generations, each in its own slot (a KV sequence of the
-target, and of shared draft models), run the same step together: their blocks
-[last committed + drafts] go into one ``target.forward_batch`` and each is verified with
-its own sampler. One generation alone is the batch of one, by the same code.
-
-Sources: Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2.
-Dimension letters: K = drafted tokens this step, V = vocabulary size.
-"""
+"""The engine's step: one batched step drafts, verifies and commits for every running
+generation (:class:`SpeculativeEngine`); :mod:`.forwards` runs the step's forwards (batch
+invariance), :mod:`.tree_step` verifies a tree of drafts. The package docstring is the map."""
 
 from __future__ import annotations
 
@@ -33,19 +10,20 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .backends.base import Backend, SeqForward, common_prefix_len, tree_prefix_within
-from .control.invariance import measure_invariant_block
-from .control.planner import end_plan, observe_confidence, observe_verification, plan_batch, tree_budget
-from .drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
-from .drafters.kinds import resolve_request
-from .errors import ContextOverflowError, SpecDecodeError
-from .grammar import GrammarConstraint
-from .limits import check_max_tree_nodes, check_num_speculative_tokens
-from .output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob, drive, top2_gap
-from .request import GenerationOptions
-from .sampling import Sampler
-from .verify import (VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling,
-                     verify_tree)
+from ..backends.base import Backend, SeqForward, common_prefix_len, tree_prefix_within
+from ..control.invariance import measure_invariant_block
+from ..control.planner import end_plan, observe_confidence, observe_verification, plan_batch, tree_budget
+from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
+from ..drafters.kinds import resolve_request
+from ..errors import ContextOverflowError, SpecDecodeError
+from ..grammar import GrammarConstraint
+from ..limits import check_max_tree_nodes, check_num_speculative_tokens
+from ..output import GenerationResult, OutputAccumulator, TextDelta, TokenLogprob, drive, top2_gap
+from ..request import GenerationOptions
+from ..sampling import Sampler
+from .forwards import BatchForwards
+from .tree_step import tree_step
+from ..verify import (VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling)
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
 
@@ -136,8 +114,7 @@ class SpeculativeEngine:
         self.slots = [Slot(i, drafter if i == 0 else drafter.fork(i), target.n_ctx) for i in range(n)]
         self._plain = NoDrafter()  # plain decoding on the same target (GenerationOptions.plain)
         self._uses = 0
-        self._invariance = invariance
-        self._invariant_mode = False  # the target's set_batch_invariant, as last set
+        self.forwards = BatchForwards(target, invariance)  # the step's forwards, batch-invariant where asked
 
     def free_slots(self) -> int:
         """Slots without a running generation."""
@@ -186,14 +163,14 @@ class SpeculativeEngine:
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
                          options.invariant)
         if gen.invariant:
-            block = self._invariant_block(where)
+            block = self.forwards.invariant_block(where)
             # "auto" does not trade all speculation for it: with a block of 1 (no forward of two
             # tokens equals two one-token steps) the generation verifies as usual instead.
             gen.invariant = block >= 2 or options.batch_invariant == "on"
             out.stats.invariant_block = block if gen.invariant else 0
         if gen.invariant:
             where.cached = []  # no reuse: the prompt is prefilled as a fresh start would
-        self._set_invariant(gen.invariant)
+        self.forwards.set_invariant(gen.invariant)
         gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target)
         self._prefill(where, gen.committed, gen.drafter)
         gen.drafter.start(prompt_ids, sampler)
@@ -238,10 +215,10 @@ class SpeculativeEngine:
             blocks.append((draft_ids, draft_probs))
         t1 = time.perf_counter()
         if parents is not None:  # one generation's tree of drafts
-            return [self._tree_step(gens[0], blocks[0][0], parents, t1)]
+            return [tree_step(self, gens[0], blocks[0][0], parents, t1)]
         items = [SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
                  for gen, (ids, _) in zip(gens, blocks)]
-        logits, hidden, sample = self._forward(gens, items)
+        logits, hidden, sample = self.forwards.run(gens, items)
         for gen in gens:
             if gen.slot.seq in hidden:
                 gen.drafter.observe_hidden(*hidden[gen.slot.seq])
@@ -251,58 +228,8 @@ class SpeculativeEngine:
         deltas = []
         for gen, (ids, _), lg, result in zip(gens, blocks, logits, verified):
             gen.out.stats.verify_s += t2 - t1
-            deltas.append(self._commit(gen, ids, *result, lg))
+            deltas.append(self.commit(gen, ids, *result, lg))
         return deltas
-
-    def _forward(self, gens: Sequence[Generation], items: list[SeqForward]) -> tuple[list[np.ndarray], dict, bool]:
-        """The step's forward: one for every generation, except that batch-invariant ones go
-        in forwards of at most invariant_block tokens (in that mode), of their own unless the
-        whole step fits one. Hidden states only for the sequences whose drafter reads them.
-        Returns logits [k_i+1, V] per item, in order, the hidden rows by sequence id, and
-        whether the step's time is a sample of T(n): one forward, timed as the cost curve is
-        (not a lone one-token step, which batch-invariant mode runs on one thread)."""
-        hidden_for = {gen.slot.seq for gen in gens if isinstance(gen.drafter, HiddenStateDrafter)}
-        block = max((g.out.stats.invariant_block for g in gens if g.invariant), default=0)
-        if block and sum(len(it.token_ids) for it in items) <= block:
-            groups = [(list(range(len(gens))), True)]  # it all fits one batch-invariant forward
-        else:
-            groups = [([i for i, g in enumerate(gens) if not g.invariant], False)]
-        for i, gen in enumerate(gens if len(groups[0][0]) < len(gens) else ()):  # packed while they fit
-            last, invariant = groups[-1]
-            rows = sum(len(items[j].token_ids) for j in last) + len(items[i].token_ids)
-            if gen.invariant and (invariant and rows <= gen.out.stats.invariant_block):
-                last.append(i)
-            elif gen.invariant:
-                groups.append(([i], True))
-        logits: list = [None] * len(items)
-        hidden: dict = {}
-        for idx, invariant in groups:
-            if not idx:
-                continue
-            self._set_invariant(invariant)
-            part, want = [items[i] for i in idx], {items[i].seq for i in idx} & hidden_for
-            if want:
-                out, more = self.target.forward_batch_hidden(part, want)
-                hidden.update(more)
-            else:
-                out = self.target.forward_batch(part)
-            for i, lg in zip(idx, out):
-                logits[i] = lg
-        used = [g for g in groups if g[0]]
-        return logits, hidden, len(used) == 1 and not (used[0][1] and len(items) == 1 and len(items[0].token_ids) == 1)
-
-    def _set_invariant(self, on: bool) -> None:
-        if on != self._invariant_mode:
-            self.target.set_batch_invariant(on)
-            self._invariant_mode = on
-
-    def _invariant_block(self, slot: Slot) -> int:
-        """The target's invariant_block, measured on the slot's sequence the first time."""
-        if self.target.invariant_block is None:
-            slot.cached = []
-            self._invariant_mode = False
-            self.target.invariant_block = max(1, int(self._invariance(self.target, slot.seq)))
-        return self.target.invariant_block
 
     def _draft(self, gen: Generation, k: int, tree_ok: bool = False) -> tuple[list[int], np.ndarray | None, list | None]:
         """Up to k drafted ids (cut where the grammar rejects one), their probs [k, V], and a
@@ -323,28 +250,7 @@ class SpeculativeEngine:
         k = len(draft_ids)
         return draft_ids, draft.probs[:k] if draft.probs is not None else None, None  # [k, V] or one-hot
 
-    def _tree_step(self, gen: Generation, ids: list[int], parents: list[int], t1: float) -> TextDelta:
-        """Verify one generation's tree of drafts [N] in one forward (tree attention), keep the
-        root and the accepted path in the cache, and commit the path and the target's token."""
-        seq, block, base = gen.slot.seq, [gen.committed[-1]] + ids, len(gen.committed)
-        reads_hidden = isinstance(gen.drafter, HiddenStateDrafter)
-        logits, hidden = self.target.forward_tree(block, parents, seq=seq, hidden=reads_hidden)
-        r = verify_tree(ids, parents, logits, gen.sampler, base)
-        rows = [0] + [i + 1 for i in r.path]
-        self.target.keep_tree_rows(rows, len(block), seq=seq)
-        if reads_hidden:
-            gen.drafter.observe_hidden([base - 1 + j for j in range(len(rows))], hidden[rows])
-        t2 = time.perf_counter()
-        observe_verification(gen.drafter, len(block), t2 - t1, True)
-        gen.out.stats.verify_s += t2 - t1
-        gaps = None if gen.out.gaps is None else [top2_gap(gen.sampler.scores(logits[row], (), base + j))
-                                                  for j, row in enumerate(rows)]
-        path = [ids[i] for i in r.path]
-        delta = self._commit(gen, path, VerifyResult(len(path), r.next_token, r.is_bonus), gaps, logits[rows])
-        gen.out.stats.record_tree(parents, r.path)
-        return delta
-
-    def _commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, gaps: list[float] | None,
+    def commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, gaps: list[float] | None,
                 logits: np.ndarray) -> TextDelta:
         """Commit the accepted drafts and the target's token; roll the slot's sequence back
         to the KV invariant; returns the text delta."""
