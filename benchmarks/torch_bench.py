@@ -59,7 +59,8 @@ def main() -> int:
     import torch
 
     from specdecode.assembly import registry
-    from specdecode.backends.torch_backend import TorchBackend, resolve_device
+    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch_setup import resolve_device
     from specdecode.drafters import ModelDrafter, NgramDrafter, NoDrafter
     from specdecode.engine import SpeculativeEngine
 

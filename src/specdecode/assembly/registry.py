@@ -286,7 +286,7 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
     """
     from tqdm import tqdm
 
-    from ..backends.torch_backend import _import_torch, gguf_dequantize_config
+    from ..backends.torch_setup import gguf_dequantize_config, import_torch
 
     if dtype not in DTYPES:
         raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -294,7 +294,7 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
     if (dest / "config.json").exists():
         return dest
     gguf = pull(name, progress=progress)
-    torch, transformers = _import_torch()
+    torch, transformers = import_torch()
     bar = tqdm(total=3, desc=f"convert {name} -> {dtype}", unit="step", disable=not progress, file=sys.stderr)
     try:
         with atomic_folder(dest) as tmp:

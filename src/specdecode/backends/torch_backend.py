@@ -18,75 +18,11 @@ from typing import Collection, Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
-from ..limits import DEVICES, DTYPES
+from ..limits import DTYPES
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
+from .torch_setup import gguf_dequantize_config, import_torch, prefix_static_cache, resolve_device
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _import_torch():
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        raise SpecDecodeError(
-            f"the torch backend needs PyTorch and transformers ({e.name} is not installed): "
-            f"pip install 'specdecode[torch]'"
-        ) from None
-    return torch, transformers
-
-
-def resolve_device(device: str) -> str:
-    """'cpu', 'cuda' or 'auto' (cuda when available). Raises SpecDecodeError if cuda is absent."""
-    torch, _ = _import_torch()
-    if device not in DEVICES:
-        raise SpecDecodeError(f"device {device!r} is not one of {', '.join(DEVICES)}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SpecDecodeError("device 'cuda' was asked for but PyTorch sees no CUDA GPU")
-    return device
-
-
-def gguf_dequantize_config(path: Path):
-    """transformers config that unpacks every GGUF weight into a dense tensor at load time
-    (newer transformers otherwise keep GGUF blocks packed behind custom kernels)."""
-    _, transformers = _import_torch()
-    cfg = getattr(transformers, "GgufConfig", None)
-    return cfg(gguf_file=str(path), dequantize=True) if cfg is not None else None
-
-
-def _prefix_static_cache(transformers, config, n_ctx: int):
-    """A StaticCache whose full-attention layers attend only to the filled prefix.
-
-    transformers' StaticLayer returns (and masks) all n_ctx slots every step, so attention
-    costs O(n_ctx) however short the text. Here each layer keeps a Python-int length (no
-    device sync), returns views of the first length slots, and sizes the mask to match.
-    Storage stays preallocated; rollback still only moves the length (crop).
-    """
-    from transformers.cache_utils import StaticLayer
-
-    class PrefixStaticLayer(StaticLayer):
-        def __init__(self, max_cache_len: int) -> None:
-            super().__init__(max_cache_len=max_cache_len)
-            self.length = 0
-
-        def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
-            n = query_length if isinstance(query_length, int) else int(query_length.shape[-1])
-            return self.length + n, 0
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            keys, values = super().update(key_states, value_states, *args, **kwargs)
-            self.length += key_states.shape[-2]
-            return keys[:, :, : self.length], values[:, :, : self.length]
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)
-            self.length -= abs(tokens_to_remove)
-
-    cache = transformers.StaticCache(config=config, max_cache_len=n_ctx)
-    cache.layers = [PrefixStaticLayer(n_ctx) if type(layer) is StaticLayer else layer for layer in cache.layers]
-    return cache
 
 
 class TorchBackend(BackendBase):
@@ -103,7 +39,7 @@ class TorchBackend(BackendBase):
     supports_hidden_states = True
 
     def __init__(self, model, tokenizer=None, n_ctx: int = 4096, name: str = "torch-model") -> None:
-        torch, transformers = _import_torch()
+        torch, transformers = import_torch()
         self._torch = torch
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -117,7 +53,7 @@ class TorchBackend(BackendBase):
             raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 2")
         self._n_ctx = n_ctx
         self.device = next(model.parameters()).device
-        self._cache = _prefix_static_cache(transformers, model.config, n_ctx)
+        self._cache = prefix_static_cache(transformers, model.config, n_ctx)
         self._kv_len = 0
         self._ones = torch.ones(1, n_ctx, dtype=torch.long, device=self.device)
         self._n_vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -136,7 +72,7 @@ class TorchBackend(BackendBase):
         Raises ModelFileError when the files are missing or unreadable, SpecDecodeError
         on bad options.
         """
-        torch, transformers = _import_torch()
+        torch, transformers = import_torch()
         if dtype not in DTYPES:
             raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}", param="dtype")
         dev = resolve_device(device)
