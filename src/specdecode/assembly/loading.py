@@ -15,13 +15,13 @@ from pathlib import Path
 from . import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
-from ..backends.llama_tree import TREE_BRANCHES
+from ..trees.llama_forward import TREE_BRANCHES
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
 from ..control.measure import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..drafters import Drafter, NoDrafter
 from ..drafters.kinds import Choice, DraftRequest, check_draft_options, kind_of, resolve
-from ..drafters.trees import set_tree_options
+from ..trees.drafting import set_tree_options
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..limits import (AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE,

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MIN_N_CTX, check_text
-from . import llama_tree
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
+from ..trees.llama_forward import forward_tree, keep_rows
 from .llama_lib import default_threads, extra_buffers_are_safe, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
@@ -57,7 +57,7 @@ class LlamaCppBackend(BackendBase):
 
     The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a batch
     whose sequences bring different numbers of tokens stays one ubatch. Hidden states: the
-    embeddings output, on for the calls that need it. Trees (:mod:`.llama_tree`): tree_branches leaves.
+    embeddings output, on for the calls that need it. Trees (:mod:`specdecode.trees.llama_forward`): tree_branches leaves.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
@@ -324,12 +324,12 @@ class LlamaCppBackend(BackendBase):
         return run
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
-        """A tree block on seq (:mod:`.llama_tree`): (logits [N, V], hidden [N, H] or None)."""
+        """A tree block on seq (:mod:`specdecode.trees.llama_forward`): (logits [N, V], hidden [N, H] or None)."""
         self._require_open()
-        return llama_tree.forward_tree(self, token_ids, parents, seq, hidden)
+        return forward_tree(self, token_ids, parents, seq, hidden)
 
     def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
-        llama_tree.keep_rows(self, rows, n_rows, seq)  # the root and path into seq; branches cleared
+        keep_rows(self, rows, n_rows, seq)  # the root and path into seq; branches cleared
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant forwards (see the contract): one-token forwards on one thread (with

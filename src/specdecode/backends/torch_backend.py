@@ -350,9 +350,9 @@ class TorchBackend(BackendBase):
     supports_tree = supports_tree_draft = True
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
-        """A tree block (:mod:`.torch_tree`): root and nodes [N] appended; (logits [N, V] of
+        """A tree block (:mod:`specdecode.trees.torch_forward`): root and nodes [N] appended; (logits [N, V] of
         every row, their hidden states [N, H] with hidden, else None)."""
-        from .torch_tree import forward_tree
+        from ..trees.torch_forward import forward_tree
         self._check_seq(seq)
         if self._subset is not None:
             raise SpecDecodeError(f"{self.name}: tree verification needs the whole vocabulary (no output subset)")
@@ -360,13 +360,13 @@ class TorchBackend(BackendBase):
 
     def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
         """Keep rows (ascending, root first) of the last tree block of n_rows; drop the others."""
-        from .torch_tree import keep_rows
+        from ..trees.torch_forward import keep_rows
         self._check_seq(seq)
         keep_rows(self, rows, n_rows)
 
     def forward_rows(self, token_ids: Sequence[int], positions: Sequence[int], visible, seq: int = 0):
-        """Rows under an explicit mask (:func:`.torch_tree.forward_rows`): logits [n, V]."""
-        from .torch_tree import forward_rows
+        """Rows under an explicit mask (:func:`specdecode.trees.torch_forward.forward_rows`): logits [n, V]."""
+        from ..trees.torch_forward import forward_rows
         self._check_seq(seq)
         return forward_rows(self, token_ids, positions, visible)[0]  # the whole vocabulary
 

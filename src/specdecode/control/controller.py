@@ -35,7 +35,7 @@ from ..drafters.base import ContinuationRule, Draft, Drafter, DraftingRequest, H
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
 from .sources import Plan, SharedCosts, Source, SourceSet
-from .trees import shape_tree, tree_depth
+from ..trees.plan import shape_tree, tree_depth
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
 from ..sampling import Sampler
@@ -286,7 +286,7 @@ class SpeculationController(PlannedDrafter):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
             kk, rate = self.plan(s, cap, extra, estimator=est)
-            if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (control/trees.py)
+            if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (trees/plan.py)
                 kk = tree_depth(s.drafter, kk, cap)
             if kk == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the

@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..files import atomic_path, sha256_file
 from .base import Draft, HiddenStateDrafter
-from .trees import TreeDrafting
+from ..trees.drafting import TreeDrafting
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -180,7 +180,7 @@ class HeadsDrafter(HiddenStateDrafter, TreeDrafting):
     [k, V] (zero outside the subset), so the speculative sampling rule stays exact. No
     hidden state there (a prefill the backend gave none for, e.g. a long one on llama.cpp,
     or none at all when the whole prompt was cached): no draft. With a tree budget
-    (:class:`.trees.TreeDrafting`), a greedy generation drafts Medusa's tree of each head's
+    (:class:`specdecode.trees.drafting.TreeDrafting`), a greedy generation drafts Medusa's tree of each head's
     top ``tree_width`` tokens instead (:func:`medusa_tree`).
 
     heads: trained :class:`DraftHeads`; target: the backend they were trained for (checked:
@@ -269,7 +269,7 @@ def medusa_tree(logits: np.ndarray, width: int, budget: int, eog_ids=frozenset()
     up to ``budget`` nodes. Returns a Draft with parents (nodes in topological order; an
     end-of-generation token gets no children) and node_probs (each node's path probability,
     non-increasing: every prefix is the likeliest tree of its size,
-    :func:`specdecode.control.trees.plan_tree`)."""
+    :func:`specdecode.trees.plan.plan_tree`)."""
     import heapq
 
     z = logits - logits.max(axis=1, keepdims=True)

@@ -1,6 +1,6 @@
 """The engine's step: one batched step drafts, verifies and commits for every running
 generation (:class:`SpeculativeEngine`); :mod:`.forwards` runs the step's forwards (batch
-invariance), :mod:`.tree_step` verifies a tree of drafts. The package docstring is the map."""
+invariance), :mod:`specdecode.trees.step` verifies a tree of drafts. The package docstring is the map."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..output import GenerationResult, OutputAccumulator, TextDelta, TokenLogpro
 from ..request import GenerationOptions
 from ..sampling import Sampler
 from .forwards import BatchForwards
-from .tree_step import tree_step
+from ..trees.step import tree_step
 from ..verify import (VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling)
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
