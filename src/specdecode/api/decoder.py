@@ -1,14 +1,6 @@
 """The :class:`Decoder`: a target and a drafter loaded once for many generations, and :func:`generate`.
 
-Example::
-
-    import specdecode
-    result = specdecode.generate("def quicksort(xs):", max_tokens=64)
-    print(result.text, result.stats.acceptance_rate)
-
-    dec = specdecode.Decoder(target="qwen2.5-coder-1.5b-instruct", draft="ngram")
-    for delta in dec.generate(messages=[{"role": "user", "content": "Hi"}], stream=True):
-        print(delta, end="")
+The package docstring (:mod:`specdecode.api`) has an example.
 """
 
 from __future__ import annotations
