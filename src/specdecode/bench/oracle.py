@@ -26,7 +26,7 @@ from typing import Sequence
 
 from ..control.costmodel import CostCurve
 from ..drafters.base import Drafter, DraftingRequest
-from ..drafters.kinds import AUTO, DraftRequest, auto_kinds
+from ..drafters.kinds import DraftRequest, auto_kinds, resolve
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from ..sampling import Sampler, SamplingParams
 
@@ -124,10 +124,9 @@ def lookup_drafters(draft: str) -> list[Drafter] | None:
     cost, for :func:`oracle_replay`: the kinds table's free lookups ("auto": all of them;
     "ngram", "suffix": that one); "none" no drafter (the oracle is plain decoding). None for
     a drafter with a model or weights, where the oracle is not defined."""
-    if draft == "none":
-        return []
-    kinds = auto_kinds() if draft == AUTO else [k for k in auto_kinds() if k.name == draft]
-    if not kinds:
+    names = resolve(draft, "auto").names
+    kinds = [k for k in auto_kinds() if k.name in names]
+    if len(kinds) < len(names):
         return None
     return [k.build(DraftRequest(None, "", _no_model)) for k in kinds]  # lookups read no target
 
