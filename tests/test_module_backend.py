@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats as sstats
 
-import specdecode.engine
+import specdecode.engine.core
 from specdecode import Decoder, IncompatibleVocabularyError, ModuleBackend, SpecDecodeError
 from specdecode.grammar import Grammar
 from specdecode.verify import VerifyResult
@@ -135,7 +135,7 @@ def test_sampled_codes_follow_the_chain_and_a_wrong_rule_is_caught(cached, monke
             assert p > 1e-3, (rule, p)
         drafted = dec.generate_ids([0], max_tokens=60, temperature=1.0, seed=5, sampling_rule="rejection")
         assert 0.05 < drafted.stats.acceptance_rate < 0.95  # the draft is a different chain
-        monkeypatch.setattr(specdecode.engine, "verify_speculative_sampling", accept_everything)
+        monkeypatch.setattr(specdecode.engine.core, "verify_speculative_sampling", accept_everything)
         p_bad = chi_square_p(two_code_counts(dec, n, sampling_rule="rejection"), n)
         assert p_bad < 1e-6, p_bad
 
