@@ -21,6 +21,8 @@ from .metrics import Metrics
 from .page import UI_FILES, cost_view, info_view, ui_file
 from .protocol import APIError, json_repr, parse_json_body, parse_request
 from .responses import full_response, stream
+from .responses_api import ResponseStore, ResponsesRequest, parse_responses, rename_error
+from .responses_events import ResponseBuilder, stream_events
 from .worker import Job, Worker
 
 if TYPE_CHECKING:
@@ -80,7 +82,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
-    return {"id": model_name, "object": "model", "created": created, "owned_by": "specdecode", "max_model_len": n_ctx}
+    """A model's card: its context size in tokens as vLLM names it (max_model_len) and as LM
+    Studio and the clients reading it do (context_length)."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "specdecode", "max_model_len": n_ctx,
+            "context_length": n_ctx}
 
 
 def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any) -> FastAPI:
@@ -199,10 +204,13 @@ class _Routes:
         self.created = int(time.time())
         self.draft_info = {"draft": decoder.draft_name,
                            "num_speculative_tokens": decoder.engine.num_speculative_tokens}
+        self.store = ResponseStore()
 
     def add_to(self, app: FastAPI) -> None:
         app.add_route("/v1/completions", self.completions, methods=["POST"])
         app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_route("/v1/responses", self.responses, methods=["POST"])
+        app.add_route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"])
         app.add_route("/v1/models", self.list_models, methods=["GET"])
         app.add_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
         app.add_route("/health", self.health, methods=["GET"])
@@ -242,6 +250,8 @@ class _Routes:
         for name in ("num_speculative_tokens", "max_tree_nodes"):
             if opts is not None and getattr(opts, name) is not None:
                 info[name] = getattr(opts, name)
+        if opts is not None:
+            info["strict"] = opts.batch_invariant == "on"
         return {**result.stats.to_dict(), **info}
 
     async def completions(self, request: Request) -> Response:
@@ -253,21 +263,86 @@ class _Routes:
     async def serve(self, request: Request, kind: str) -> Response:
         """One generation request: read and parse it, queue it (429 when the queue is
         full), then answer its choices in full or as a stream."""
-        from fastapi.responses import JSONResponse, Response
+        from fastapi.responses import JSONResponse
 
-        job = await self._submit(request, kind)
+        job = await self._submit(request, lambda body: parse_request(body, kind, self.model_name, self.worker.n_ctx,
+                                                                     self.worker.tool_format, self.options.strict))
+        req = job.req
+        first = await self._first_events(request, job)
+        if not isinstance(first, list):
+            return first
+        event = first[-1]
+        if event[0] == "error":
+            raise event[1]
+        if not req.stream:
+            choices = [e[1] for e in first]
+            return JSONResponse(full_response(kind, self.model_name, choices, lambda r: self.speculation(r, req), req.tools))
+        return _sse_response_class()(stream(kind, self.model_name, req, job, event, lambda r: self.speculation(r, req)),
+                                     on_close=lambda: self.worker.cancel(job))
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (:mod:`.responses_api`): the request translated to chat, run
+        like one, answered as a response object or its stream of events; stored (for
+        ``previous_response_id`` and ``GET /v1/responses/{id}``) unless ``store`` is false."""
+        from fastapi.responses import JSONResponse
+
+        parsed: list[ResponsesRequest] = []
+
+        def parse(body: Any) -> Any:
+            parsed.append(parse_responses(body, self.model_name, self.worker.n_ctx, self.worker.tool_format,
+                                          self.store, self.options.strict))
+            return parsed[0].req
+
+        try:
+            job = await self._submit(request, parse)
+        except APIError as e:
+            raise rename_error(e) from None
+        rr = parsed[0]
+        first = await self._first_events(request, job)
+        if not isinstance(first, list):
+            return first
+        event = first[-1]
+        if event[0] == "error":
+            raise rename_error(event[1])
+        builder = ResponseBuilder(rr, self.model_name, lambda r: self.speculation(r, rr.req))
+
+        def keep(response: dict) -> None:
+            if rr.store:
+                self.store.put(response, builder.history(response["output"]))
+
+        if not rr.req.stream:
+            response = builder.full(event[1][1])
+            keep(response)
+            return JSONResponse(response)
+        return _sse_response_class()(stream_events(builder, job, event, keep), on_close=lambda: self.worker.cancel(job))
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET`` (the object) or ``DELETE`` a stored response; 404 naming the id when it is not stored."""
+        from fastapi.responses import JSONResponse
+
+        response_id = request.path_params["response_id"]
+        found = self.store.get(response_id)
+        if found is None or (request.method == "DELETE" and not self.store.delete(response_id)):
+            raise APIError(404, f"no stored response has the id {json_repr(response_id)}: this server keeps the last "
+                           f"{self.store.max_responses} responses made with store true, in memory",
+                           type="not_found_error", param="response_id", code="response_not_found")
+        if request.method == "DELETE":
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        return JSONResponse(found[0])
+
+    async def _first_events(self, request: Request, job: Job) -> list | Response:
+        """The job's first event (a stream's) or every choice (a full response), in order;
+        an error event ends the list. A 499 Response when the client leaves first."""
+        from fastapi.responses import Response
+
         req = job.req
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         try:
             # Streams wait for the first event too, so that errors found when the prompt
             # is tokenized still get a 4xx status rather than an error inside a 200 stream.
-            event = await _next_event(job, disconnect)
-            choices = []  # a full response waits for every choice
-            while not req.stream and event[0] == "choice":
-                choices.append(event[1])
-                if len(choices) == req.n:
-                    break
-                event = await _next_event(job, disconnect)
+            events = [await _next_event(job, disconnect)]
+            while not req.stream and events[-1][0] == "choice" and len(events) < req.n:
+                events.append(await _next_event(job, disconnect))
         except _Disconnected:
             self.worker.cancel(job)
             return Response(status_code=499)  # nobody reads it; the status shows in the access log
@@ -276,14 +351,9 @@ class _Routes:
             disconnect.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await disconnect
-        if event[0] == "error":
-            raise event[1]
-        if not req.stream:
-            return JSONResponse(full_response(kind, self.model_name, choices, lambda r: self.speculation(r, req), req.tools))
-        return _sse_response_class()(stream(kind, self.model_name, req, job, event, lambda r: self.speculation(r, req)),
-                                     on_close=lambda: self.worker.cancel(job))
+        return events
 
-    async def _submit(self, request: Request, kind: str) -> Job:
+    async def _submit(self, request: Request, parse: Callable[[Any], Any]) -> Job:
         """The request's job, prepared (:meth:`Worker.prepare`, off the worker thread) and
         queued on the worker. Raises APIError (counted as rejected) for a body not sent as
         JSON (415), too large (413), invalid, refused when prepared (400) or for another
@@ -291,7 +361,7 @@ class _Routes:
         arrival = time.perf_counter()
         try:
             body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
-            req = parse_request(body, kind, self.model_name, self.worker.n_ctx, self.worker.tool_format)
+            req = parse(body)
             prepared = await self.worker.preparer.prepare_async(req)
         except APIError as e:
             reason = {404: "model_not_found", 413: "too_large", 415: "unsupported_media_type",

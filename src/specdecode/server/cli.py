@@ -158,6 +158,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--max-prediction-tokens", type=int, default=None, metavar="N",
                    help=f"the longest prediction a request may send, in tokens (default: the context size; "
                         f"its text may hold {PREDICTION_BYTES_PER_TOKEN} bytes a token); longer ones get 400")
+    s.add_argument("--strict", action="store_true",
+                   help="strict mode for every request (a request may still send \"speculative\": {\"strict\": "
+                        "false}): verify only in blocks whose logits equal one-token steps, so that each greedy "
+                        "answer is bit for bit plain decoding's alone, in any batch, with any drafter (slower: "
+                        "docs/server.md gives the cost)")
     s.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the page at / (a chat that shows which tokens the drafts gave, the speed "
                         "against plain decoding and the cost curve)")

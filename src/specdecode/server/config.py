@@ -94,6 +94,9 @@ class ServerOptions:
     max_prediction_tokens: the longest ``prediction`` a request may send, in tokens (None:
         the target's context size; its text may hold PREDICTION_BYTES_PER_TOKEN bytes per
         token); a longer one gets 400 naming ``prediction``.
+    strict: every request verifies batch-invariantly unless it says ``"speculative":
+        {"strict": false}`` (``serve --strict``): each greedy answer is then bit for bit the
+        one plain decoding gives it alone, whatever the batch and the drafter.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -113,6 +116,7 @@ class ServerOptions:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     max_prediction_tokens: int | None = None
+    strict: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model_name", "host"):
@@ -130,7 +134,7 @@ class ServerOptions:
         _check_int("metrics_port", self.metrics_port, 1, 65535, optional=True)
         _check_int("max_prediction_tokens", self.max_prediction_tokens, 1, optional=True)
         self._check_names()
-        for name in ("warmup", "ui"):
+        for name in ("warmup", "ui", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _OptionError(name, getattr(self, name), "True or False", problem="is not valid")
         if self.autoscaling is not None and not isinstance(self.autoscaling, dict):
@@ -171,7 +175,7 @@ class ServerOptions:
                        max_body_bytes=args.max_body_bytes, api_key=api_key, warmup=True, replicas=args.replicas,
                        autoscaling=autoscaling, metrics_port=args.metrics_port, ui=args.ui,
                        allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins),
-                       max_prediction_tokens=args.max_prediction_tokens)
+                       max_prediction_tokens=args.max_prediction_tokens, strict=args.strict)
         except _OptionError as e:
             raise e.as_flag() from None
 

@@ -8,13 +8,15 @@ The text is tokenized once with the target's tokenizer when the request runs; dr
 
 ``speculative``: ``{"draft": "auto" | "none" | "ngram" | "suffix" | "prediction" | <a loaded
 draft model's name>, "num_speculative_tokens": int 0..32 | "auto", "max_tree_nodes": int 0..64,
-"trace": bool}``, each optional (``max_tree_nodes``: the nodes a tree of drafts may hold, 0 =
+"trace": bool, "strict": bool}``, each optional (``max_tree_nodes``: the nodes a tree of drafts may hold, 0 =
 chains; trees on a target loaded for chains only are a 400 naming ``speculative.max_tree_nodes``;
 ``trace``: each streamed chunk also carries ``speculation_trace``, see :func:`trace_of`). It may
 only choose among what the server loaded: a drafter that is not loaded is a 400 naming
 ``speculative.draft`` when the request runs. ``"auto"`` (or absent) lets the cost-aware
 controller plan; an integer K with one drafter named drafts K tokens every step; with
-``"auto"`` as draft an integer K is the cap.
+``"auto"`` as draft an integer K is the cap. ``strict`` (default: the server's ``--strict``):
+verify only in blocks whose logits equal one-token steps (``batch_invariant`` "on"), so that a
+greedy answer is bit for bit what plain decoding gives it alone, in any batch, with any drafter.
 
 Pure: no FastAPI, no model.
 """
@@ -30,7 +32,7 @@ from ..messages import json_repr
 # An option the engine names (SpecDecodeError.param) -> the request field that set it.
 FIELD_OF_OPTION = {"draft": "speculative.draft", "num_speculative_tokens": "speculative.num_speculative_tokens",
                    "prediction": "prediction", "max_tree_nodes": "speculative.max_tree_nodes"}
-SPECULATIVE_FIELDS = ("draft", "num_speculative_tokens", "max_tree_nodes", "trace")
+SPECULATIVE_FIELDS = ("draft", "num_speculative_tokens", "max_tree_nodes", "trace", "strict")
 
 
 def _error(message: str, param: str) -> SpecDecodeError:
@@ -59,12 +61,13 @@ def parse_content(value: Any, field: str = "prediction") -> str | None:
     return content or None
 
 
-def parse_speculative(value: Any) -> dict:
+def parse_speculative(value: Any, strict: bool = False) -> dict:
     """The GenerationOptions fields a ``speculative`` object sets (draft,
-    num_speculative_tokens, max_tree_nodes). Raises SpecDecodeError (param: the field) for a
-    wrong shape, an unknown key or an out-of-range K or node budget."""
+    num_speculative_tokens, max_tree_nodes; batch_invariant "on" when ``strict``, its own or,
+    when it gives none, the server's default ``strict``). Raises SpecDecodeError (param: the
+    field) for a wrong shape, an unknown key or an out-of-range K or node budget."""
     if value is None:
-        return {}
+        return {"batch_invariant": "on"} if strict else {}
     if not isinstance(value, dict):
         raise _error(f"speculative must be an object, got {json_repr(value)}", "speculative")
     unknown = sorted(set(value) - set(SPECULATIVE_FIELDS))
@@ -91,6 +94,11 @@ def parse_speculative(value: Any) -> dict:
             raise _error(f"speculative.max_tree_nodes = {json_repr(nodes)} is out of range: expected an integer "
                          f"0..{MAX_TREE_NODES} (0: chains only)", "speculative.max_tree_nodes")
         out["max_tree_nodes"] = nodes
+    own = value.get("strict")
+    if own is not None and not isinstance(own, bool):
+        raise _error(f"speculative.strict must be true or false, got {json_repr(own)}", "speculative.strict")
+    if (strict if own is None else own):
+        out["batch_invariant"] = "on"
     return out
 
 

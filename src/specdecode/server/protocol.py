@@ -207,14 +207,15 @@ def parse_response_format(value: Any) -> Grammar | None:
 
 
 def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
-                  tool_format: ToolCallFormat | None = None) -> GenRequest:
+                  tool_format: ToolCallFormat | None = None, strict: bool = False) -> GenRequest:
     """Validate a decoded JSON body for ``kind`` "completion" or "chat".
 
     model_name: the id the client must send as ``model``. n_ctx: the context size in
     tokens, the upper bound of max_tokens. tool_format: the tool-call format of the served
     model's chat template (:func:`.toolcalls.tool_call_format`), None when it has none (a
     request with tools is then a 400). Checks what can be checked without the model
-    (types, ranges, unsupported fields, the model name); the prompt's length against the
+    (types, ranges, unsupported fields, the model name); strict: the server's default for
+    ``speculative.strict`` (``serve --strict``). The prompt's length against the
     context is checked when it is tokenized (:func:`resolve_max_tokens`). Raises APIError:
     404 (code model_not_found) for another model, 400 for anything else, with ``param``
     naming the field at fault.
@@ -245,7 +246,7 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
         inputs = {f: text for f in request_fields() if (text := parse_content(body.get(f), f)) is not None}
         trace = wants_trace(body.get("speculative"))
         options = GenerationOptions(sampling=sampling, stop=stop, logprobs=logprobs, grammar=grammar,
-                                    **parse_speculative(body.get("speculative")))
+                                    **parse_speculative(body.get("speculative"), strict))
     except SpecDecodeError as e:
         raise from_specdecode_error(e) from None
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,

@@ -1,0 +1,305 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a translation onto the chat request:
+a Responses body becomes a chat body, parsed by :func:`.protocol.parse_request` like any
+other, and errors found anywhere on the way name the Responses fields (``input[3].call_id``,
+``max_output_tokens``, ``text.format``), not the chat ones. The answer's shapes (the response
+object and its stream of events) are :mod:`.responses_events`'.
+
+Fields (the Responses API reference, https://platform.openai.com/docs/api-reference/responses):
+``model``, ``input`` (a string, or items: messages of role user, assistant, system or
+developer, with ``input_text``/``output_text`` parts; ``function_call``;
+``function_call_output``), ``instructions`` (a system message first; not carried on by
+``previous_response_id``, as OpenAI does), ``max_output_tokens``, ``temperature``, ``top_p``,
+``tools`` (type ``function`` only: a hosted tool is a 400 naming its type), ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema`` through
+the same grammars as ``response_format``), ``stream``, ``store`` and ``previous_response_id``
+(:class:`ResponseStore`, bounded, in memory), ``metadata``, ``user``, ``safety_identifier``,
+``prompt_cache_key`` (prefix reuse is automatic here); this server's ``speculative``,
+``seed`` and the request fields of drafter kinds (``prediction``). Fields that would ask for
+what is not served (``background: true``, ``reasoning`` effort, ``include`` of anything,
+``truncation: "auto"``, ``conversation``) are 400s naming them.
+
+Pure: no FastAPI, no model.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ..drafters.kinds import request_fields
+from ..errors import SpecDecodeError
+from ..messages import check_messages, json_repr
+from .apierror import APIError
+from .protocol import GenRequest, parse_request
+from .toolcalls import ToolCallFormat
+
+# What the store keeps: this many responses at most, and this many bytes of their
+# conversations (their text), the oldest forgotten first.
+STORE_MAX_RESPONSES = 1024
+STORE_MAX_BYTES = 64 * 2**20
+
+_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "stream", "store", "previous_response_id", "metadata", "user",
+    "safety_identifier", "prompt_cache_key", "speculative", "seed",
+})
+# Standard fields accepted at the values that ask for nothing beyond what is served.
+_HARMLESS = {"background": (False,), "truncation": ("disabled",), "include": ([],), "reasoning": ({},),
+             "service_tier": ("auto", "default"), "stream_options": ({}, {"include_obfuscation": False}),
+             "top_logprobs": (0,), "max_tool_calls": ()}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# Chat-field names in errors -> the Responses fields they came from.
+_RENAMES = ((re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
+            (re.compile(r"\bresponse_format\b"), "text.format"),
+            (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"))
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated Responses request: the chat request it runs as, and what the response
+    object echoes. history: the conversation (without instructions) that a later request's
+    ``previous_response_id`` continues, this request's input included."""
+
+    req: GenRequest
+    echo: dict
+    history: list[dict]
+    store: bool
+
+
+def _error(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def rename_error(e: APIError, origin: list[str] | None = None) -> APIError:
+    """The error with the chat fields it names (param and message) renamed to the Responses
+    fields they came from; origin[i]: the input item of chat message i (None: not from input)."""
+    def rename(text: str | None) -> str | None:
+        if text is None:
+            return None
+        for pattern, to in _RENAMES:
+            text = pattern.sub(to, text)
+        if origin is not None:
+            text = re.sub(r"\bmessages\[(\d+)\]", lambda m: origin[int(m.group(1))] if int(m.group(1)) < len(origin)
+                          else "input", text)
+        return re.sub(r"\bmessages\b", "input", text)
+
+    return APIError(e.status, rename(e.message), type=e.type, param=rename(e.param), code=e.code)
+
+
+def _text(content: Any, where: str) -> str:
+    """An item's content (a string or text parts) as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _error(f"{where}.content must be a string or a list of text parts, got {json_repr(content)}",
+                     f"{where}.content")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise _error(f"{where}.content[{j}]: type {json_repr(kind)} is not supported: this server reads text "
+                         f"parts only ({', '.join(_TEXT_PARTS)} with a string text)", f"{where}.content[{j}].type")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def input_messages(value: Any) -> tuple[list[dict], list[str]]:
+    """``input`` as chat messages and, for each, the input item it came from ("input[2]").
+    Consecutive function_call items join one assistant message (after the assistant text
+    right before them, if any). Raises APIError (400) naming the item and field."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}], ["input"]
+    if not isinstance(value, list) or not value:
+        raise _error(f"input must be a string or a non-empty list of items, got {json_repr(value)}", "input")
+    messages: list[dict] = []
+    origin: list[str] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _error(f"{where} must be an object, got {json_repr(item)}", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            if role is None:
+                raise _error(f"{where}.role = {json_repr(item.get('role'))} is not supported: expected one of "
+                             f"{', '.join(_ROLES)}", f"{where}.role")
+            messages.append({"role": role, "content": _text(item.get("content"), where)})
+            origin.append(where)
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origin.append(where)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _error(f"{where}.call_id must be a non-empty string, got {json_repr(call_id)}",
+                             f"{where}.call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), where)})
+            origin.append(where)
+        else:
+            raise _error(f"{where}.type = {json_repr(kind)} is not supported: this server reads message, "
+                         "function_call and function_call_output items", f"{where}.type")
+    return messages, origin
+
+
+def _function_call(item: dict, where: str) -> dict:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+            raise _error(f"{where}.{key} must be a{' non-empty' if key != 'arguments' else ''} string, got "
+                         f"{json_repr(item.get(key))}", f"{where}.{key}")
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _check_fields(body: dict) -> None:
+    allowed = _FIELDS | set(request_fields())
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        if name in _HARMLESS and any(type(value) is type(ok) and value == ok for ok in _HARMLESS[name]):
+            continue
+        ok = " or ".join(json_repr(v) for v in _HARMLESS.get(name, ()))
+        raise _error(f"{name} = {json_repr(value)} is not supported by this server" + (f" (only {ok} is)" if ok else "")
+                     + ". It honours: " + ", ".join(sorted(allowed)), name)
+
+
+def _tools(value: Any) -> Any:
+    """Responses tools ({"type": "function", "name", ...}) in the chat shape."""
+    if not isinstance(value, list):
+        return value  # the chat parser names the wrong type
+    out = []
+    for i, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise _error(f"tools[{i}].type = {json_repr(kind)} is not supported: this server runs no hosted tools, "
+                         'only tools of type "function" (the client runs them)', f"tools[{i}].type")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "name"}:
+        return {"type": "function", "function": {"name": value["name"]}}
+    if value is None or isinstance(value, str):
+        return value
+    raise _error(f'tool_choice = {json_repr(value)} is not supported: expected "none", "auto", "required" or '
+                 '{"type": "function", "name": ...}', "tool_choice")
+
+
+def _response_format(text: Any) -> Any:
+    """``text`` ({"format": {...}, "verbosity": ...}) as a chat response_format."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or not set(text) <= {"format", "verbosity"}:
+        raise _error(f'text must be an object with format, got {json_repr(text)}', "text")
+    fmt = text.get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt
+    spec = {k: v for k, v in fmt.items() if k != "type"}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+class ResponseStore:
+    """Stored responses (``store``, the default, as OpenAI's): the response object and the
+    conversation a ``previous_response_id`` continues, kept in memory, at most
+    STORE_MAX_RESPONSES of them and STORE_MAX_BYTES of their text, the oldest dropped first.
+    Thread-safe."""
+
+    def __init__(self, max_responses: int = STORE_MAX_RESPONSES, max_bytes: int = STORE_MAX_BYTES) -> None:
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, response: dict, history: list[dict]) -> None:
+        size = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in history)
+        with self._lock:
+            self._items[response["id"]] = (response, history, size)
+            self._bytes += size
+            while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
+                _, (_, _, dropped) = self._items.popitem(last=False)
+                self._bytes -= dropped
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        with self._lock:
+            item = self._items.get(response_id)
+            return None if item is None else (item[0], item[1])
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            item = self._items.pop(response_id, None)
+            if item is not None:
+                self._bytes -= item[2]
+            return item is not None
+
+
+def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCallFormat | None,
+                    store: ResponseStore, strict: bool = False) -> ResponsesRequest:
+    """Validate a Responses body and translate it into the chat request it runs as
+    (strict: the server's default for ``speculative.strict``).
+
+    Raises APIError: 404 for another model, 400 naming the Responses field at fault (an
+    unknown ``previous_response_id`` included).
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
+    _check_fields(body)
+    if body.get("input") is None:
+        raise _error("input is required", "input")
+    history: list[dict] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        found = store.get(previous) if isinstance(previous, str) else None
+        if found is None:
+            raise _error(f"previous_response_id = {json_repr(previous)} is not a stored response: this server keeps "
+                         f"the last {store.max_responses} responses made with store true, in memory, until it stops",
+                         "previous_response_id")
+        history = [dict(m) for m in found[1]]
+    messages, origin = input_messages(body["input"])
+    conversation, origin = history + messages, ["history"] * len(history) + origin
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _error(f"instructions must be a string, got {json_repr(instructions)}", "instructions")
+    full = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    origin = (["instructions"] if instructions else []) + origin
+    try:
+        check_messages(full)
+    except SpecDecodeError as e:
+        raise rename_error(APIError(400, str(e), param=e.param), origin) from None
+    for name in ("store", "stream", "parallel_tool_calls"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise _error(f"{name} must be a boolean, got {json_repr(body[name])}", name)
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _error(f"{name} must be a string, got {json_repr(body[name])}", name)
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
+        raise _error("metadata must be an object of at most 16 string values (keys up to 64 characters, values up "
+                     f"to 512), got {json_repr(metadata)}", "metadata")
+    chat = {"model": body.get("model"), "messages": full, "max_completion_tokens": body.get("max_output_tokens"),
+            "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
+            "response_format": _response_format(body.get("text")), "stream": body.get("stream"),
+            "user": body.get("user")}
+    for name in ("temperature", "top_p", "parallel_tool_calls", "speculative", "seed", *request_fields()):
+        chat[name] = body.get(name)
+    try:
+        req = parse_request({k: v for k, v in chat.items() if v is not None}, "chat", model_name, n_ctx, tool_format,
+                            strict)
+    except APIError as e:
+        raise rename_error(e, origin) from None
+    echo = {name: body.get(name) for name in ("instructions", "max_output_tokens", "previous_response_id",
+                                              "user", "safety_identifier", "prompt_cache_key")}
+    echo.update(metadata=metadata or {}, temperature=req.options.sampling.temperature,
+                top_p=req.options.sampling.top_p, tool_choice=body.get("tool_choice") or "auto",
+                tools=body.get("tools") or [], parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+                text=body.get("text") or {"format": {"type": "text"}}, store=body.get("store") is not False)
+    return ResponsesRequest(req, echo, conversation, echo["store"])
