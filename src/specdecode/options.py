@@ -154,7 +154,8 @@ def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
                 n_ctx=args.ctx_size, n_threads=args.threads, progress=progress, backend=args.backend,
                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab,
                 parallel=vars(args).get("parallel", 1), tree_width=vars(args).get("tree_width", DEFAULT_TREE_WIDTH),
-                max_tree_nodes=vars(args).get("max_tree_nodes"))
+                max_tree_nodes=vars(args).get("max_tree_nodes"),
+                kv_per_sequence=bool(vars(args).get("strict", False)))  # serve --strict: a cache per slot
 
 
 def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":

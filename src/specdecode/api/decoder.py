@@ -56,6 +56,11 @@ class Decoder:
         N > 0, under the cost-aware controller each tree is cut to the prefix that pays under
         the measured T(n); llama.cpp's trees need branch sequences, loaded only for N > 0.
         A request's own max_tree_nodes overrides it. tree_width: candidates per tree node.
+    kv_per_sequence: with parallel > 1 on llama.cpp, a KV cache of its own for each slot
+        instead of one shared buffer (``serve --strict``): a batch-invariant generation
+        (``batch_invariant="on"``, strict mode) then keeps verifying drafts in blocks while
+        others run beside it; in a shared buffer it verifies one token a forward (plain
+        decoding) whenever the cache holds other slots. Forwards of unequal blocks are split.
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
     around each begin, step and end, and each tokenization unless the target's tokenizer is
@@ -86,6 +91,7 @@ class Decoder:
         parallel: int = 1,
         max_tree_nodes: int | None = None,
         tree_width: int = DEFAULT_TREE_WIDTH,
+        kv_per_sequence: bool = False,
     ) -> None:
         # Names (a loaded backend's own), as the server and the statistics report them.
         self.target_name = target.name if isinstance(target, Backend) else target
@@ -107,7 +113,8 @@ class Decoder:
             self.target = target
         else:
             self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
-                                       device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes))
+                                       device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes),
+                                       kv_per_sequence=kv_per_sequence)
         try:
             self.engine = make_speculation(choice, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
                                            backend=draft_backend, dtype=dtype, device=device, draft_vocab=draft_vocab,

@@ -40,12 +40,13 @@ def backend_kind(name_or_path: str, backend: str = "auto") -> str:
 
 def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
                  dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True,
-                 n_seq: int = 1, trees: bool = False) -> Backend:
+                 n_seq: int = 1, trees: bool = False, kv_per_sequence: bool = False) -> Backend:
     """Load a model on the chosen backend.
 
     n_seq: sequences for concurrent generations (llama.cpp; the torch backend holds one
     and raises SpecDecodeError for more). trees: able to verify trees of drafts (llama.cpp:
-    with TREE_BRANCHES branch sequences; torch always is).
+    with TREE_BRANCHES branch sequences; torch always is). kv_per_sequence: llama.cpp keeps
+    a KV buffer for each sequence (:class:`LlamaCppBackend`; the torch backend holds one).
 
     llama.cpp: a registry name (pulled on first use) or a .gguf path.
     torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
@@ -56,7 +57,7 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_
     if kind == "llama.cpp":
         path = registry.resolve(name_or_path, progress=progress)
         return _known(LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq,
-                                      tree_branches=TREE_BRANCHES if trees else 0))
+                                      tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence))
     if n_seq != 1:
         raise SpecDecodeError(f"the torch backend serves one sequence at a time: {n_seq} parallel sequences "
                               f"(--parallel {n_seq}) need the llama.cpp backend (a GGUF model)", param="parallel")

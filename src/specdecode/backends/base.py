@@ -93,6 +93,11 @@ class Backend(Protocol):
     thread_safe_tokenizer: bool  # tokenize() may run on any thread, also while another runs a forward
     # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
     invariant_block: int | None
+    # Its sequences' KV cells share one buffer (llama.cpp's unified cache): a block of several rows
+    # then attends past other sequences' cells, and its arithmetic can differ from a lone step's
+    # (measured: 8 concurrent greedy generations verified in blocks, some left their solo text), so
+    # only one-token forwards are batch-invariant there.
+    kv_shared: bool
 
     @property
     def cost_key(self) -> str:
@@ -205,6 +210,7 @@ class BackendBase:
     has_text = True
     thread_safe_tokenizer = False
     invariant_block: int | None = None
+    kv_shared = False
     chat_template: str | None = None  # a backend whose model has one overrides this
     _n_vocab: int
     _n_ctx: int

@@ -56,7 +56,11 @@ class LlamaCppBackend(BackendBase):
     generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
 
     The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a batch
-    whose sequences bring different numbers of tokens stays one ubatch. Hidden states: the
+    whose sequences bring different numbers of tokens stays one ubatch. kv_per_sequence: a
+    buffer of n_ctx cells for each sequence instead (``kv_unified`` off; strict mode), so that
+    a sequence's forwards attend over its own cells only, laid out as in a run of its own, and
+    stay batch-invariant in a batch (``kv_shared`` False); a batch of unequal blocks is then
+    split into several ubatches by llama.cpp. Hidden states: the
     embeddings output, on for the calls that need it. Trees (:mod:`specdecode.trees.llama_forward`): tree_branches leaves.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
@@ -76,6 +80,7 @@ class LlamaCppBackend(BackendBase):
         name: str | None = None,
         n_seq: int = 1,
         tree_branches: int = 0,
+        kv_per_sequence: bool = False,
     ) -> None:
         init_llama()
         import llama_cpp
@@ -91,6 +96,9 @@ class LlamaCppBackend(BackendBase):
         max_seq = int(llama_cpp.llama_max_parallel_sequences())
         if not 1 <= n_seq <= max_seq:
             raise SpecDecodeError(f"n_seq = {n_seq} is out of range: llama.cpp holds 1..{max_seq} sequences")
+        if kv_per_sequence and tree_branches:
+            raise SpecDecodeError("a KV cache per sequence (strict mode) verifies chains only: trees of drafts need "
+                                  "branch sequences in one shared cache; drop --max-tree-nodes", param="max_tree_nodes")
         self._model = None
         self._ctx = None
         self._batch = None
@@ -118,7 +126,8 @@ class LlamaCppBackend(BackendBase):
         cparams.n_batch = self._n_batch
         cparams.n_ubatch = self._n_batch
         cparams.n_seq_max = n_seq + tree_branches
-        cparams.kv_unified = True
+        cparams.kv_unified = not kv_per_sequence
+        self.kv_shared = not kv_per_sequence and n_seq + tree_branches > 1
         # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
         cparams.n_outputs_max = self._rows_max
         cparams.n_threads = n_threads

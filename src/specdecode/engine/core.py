@@ -163,7 +163,8 @@ class SpeculativeEngine:
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
                          options.invariant)
         if gen.invariant:
-            block = self.forwards.invariant_block(where)
+            # A cache shared with other sequences: only one-token forwards are batch-invariant.
+            block = 1 if self.target.kv_shared else self.forwards.invariant_block(where)
             # "auto" does not trade all speculation for it: with a block of 1 (no forward of two
             # tokens equals two one-token steps) the generation verifies as usual instead.
             gen.invariant = block >= 2 or options.batch_invariant == "on"

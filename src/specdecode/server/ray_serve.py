@@ -55,6 +55,8 @@ def build_deployment(decoder_kwargs: dict, options: ServerOptions):
     Raises SpecDecodeError without Ray.
     """
     ray, serve = _ray()
+    if options.strict:  # strict mode keeps its speculation in a batch with a cache per slot
+        decoder_kwargs = {**decoder_kwargs, "kv_per_sequence": True}
     threads = decoder_kwargs.get("n_threads")
     cpus = options.num_cpus if options.num_cpus is not None else float(threads or 1)
 
