@@ -1,6 +1,7 @@
-"""The server with several slots (--parallel): concurrent requests share batched steps;
-each output equals its solo run (or differs first at a near-tie of the solo run: a batch's
-kernels differ from a lone sequence's); the queue bound, disconnects and slot reuse."""
+"""The server with several slots (--parallel): concurrent requests share batched steps; each
+strict greedy output equals its solo run token for token (``speculative.strict``: without it a
+batch's kernels over the shared KV cache can move a greedy answer, by how the requests happened
+to share steps); the queue bound, disconnects and slot reuse."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 from specdecode.api import Decoder
 from specdecode.cli import build_parser
 from specdecode.errors import SpecDecodeError
-from specdecode.parity import NEAR_TIE_GAP
 from specdecode.server import create_app
 
 from test_server import MODEL, PROMPTS, ServerThread, metrics, total
@@ -26,8 +26,9 @@ SLOTS = 4
 
 @pytest.fixture(scope="module")
 def decoder():
+    # A KV cache per slot, as serve --strict loads: the greedy requests ask for strict mode.
     dec = Decoder(target=MODEL, draft="ngram", num_speculative_tokens=4, n_ctx=512, n_threads=1, progress=False,
-                  parallel=SLOTS)
+                  parallel=SLOTS, kv_per_sequence=True)
     yield dec
     dec.close()
 
@@ -57,23 +58,9 @@ REQUESTS = [
 
 
 def run(client, req: dict):
-    return client.completions.create(model=MODEL, logprobs=2, **req)
-
-
-def equal_or_near_tie(batched, solo) -> bool:
-    """Same tokens; or the first differing token is one where the solo run's two most likely
-    tokens were within NEAR_TIE_GAP (logprob gap = logit gap) and the batched run took the
-    other of the two: the batch's slightly different logits flipped that near-tie (a token
-    the batch ends on instead, end of text or a stop, is not named in the logprobs)."""
-    a, b = batched.choices[0].logprobs.tokens, solo.choices[0].logprobs.tokens
-    if a == b:
-        return True
-    j = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
-    if j >= len(b):
-        return False
-    top = solo.choices[0].logprobs.top_logprobs[j]
-    values = sorted(top.values(), reverse=True)
-    return len(values) > 1 and values[0] - values[1] <= NEAR_TIE_GAP and (j >= len(a) or a[j] in top)
+    """The request; a greedy one in strict mode (exact whatever shares its steps)."""
+    strict = {"extra_body": {"speculative": {"strict": True}}} if req["temperature"] == 0 else {}
+    return client.completions.create(model=MODEL, logprobs=2, **req, **strict)
 
 
 class StepGate:
@@ -127,16 +114,16 @@ def test_eight_concurrent_requests_equal_their_solo_runs(server, client, decoder
         finally:
             gate.opened.set()
         together = [f.result() for f in futures]
-    # Greedy requests: equal to their solo runs, or first differing where the solo run had a
-    # near-tie that the batch took the other way. Sampled ones ran beside them (their seeds
-    # make them repeatable alone); on llama.cpp a batch's logits differ from a lone
-    # sequence's by ~0.1, which moves a seeded draw wherever it falls near the boundary
-    # between two tokens, so they are compared in distribution, not draw by draw (exact
-    # equality where logits are bit-identical: test_batching.py on the fakes). How many
-    # near-ties flip depends on which requests share which step (timing), so it is not counted.
+    # Greedy (strict) requests: exactly their solo runs, tokens and logprobs, however the
+    # requests shared steps. Sampled ones ran beside them without strict mode (their seeds make
+    # them repeatable alone; beside others a batch's logits move a seeded draw that falls near
+    # the boundary between two tokens, so only their lengths are judged here; exact equality
+    # where logits are bit-identical: test_batching.py on the fakes).
     for req, b, s in zip(REQUESTS, together, solo):
         if req["temperature"] == 0:
-            assert equal_or_near_tie(b, s), (req, b.choices[0].text, s.choices[0].text)
+            assert b.choices[0].logprobs.tokens == s.choices[0].logprobs.tokens, (req, b.choices[0].text,
+                                                                                 s.choices[0].text)
+            assert b.choices[0].text == s.choices[0].text and b.speculation["strict"]
         else:
             assert b.choices[0].finish_reason == "length" and b.usage.completion_tokens == req["max_tokens"]
     # No request waited while a slot was free: with 8 in and 4 slots, every step after the

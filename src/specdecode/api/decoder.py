@@ -57,10 +57,10 @@ class Decoder:
         the measured T(n); llama.cpp's trees need branch sequences, loaded only for N > 0.
         A request's own max_tree_nodes overrides it. tree_width: candidates per tree node.
     kv_per_sequence: with parallel > 1 on llama.cpp, a KV cache of its own for each slot
-        instead of one shared buffer (``serve --strict``): a batch-invariant generation
-        (``batch_invariant="on"``, strict mode) then keeps verifying drafts in blocks while
-        others run beside it; in a shared buffer it verifies one token a forward (plain
-        decoding) whenever the cache holds other slots. Forwards of unequal blocks are split.
+        instead of one shared buffer (``serve --strict``). Batch-invariant generations
+        (``batch_invariant="on"``, strict mode) need it there: in a shared buffer what runs
+        beside a generation changes its arithmetic (they are refused; a seed's "auto" verifies
+        as usual). llama.cpp splits a forward of unequal blocks into several.
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
     around each begin, step and end, and each tokenization unless the target's tokenizer is

@@ -93,10 +93,10 @@ class Backend(Protocol):
     thread_safe_tokenizer: bool  # tokenize() may run on any thread, also while another runs a forward
     # The most tokens a batch-invariant forward holds (set_batch_invariant), once measured; None before.
     invariant_block: int | None
-    # Its sequences' KV cells share one buffer (llama.cpp's unified cache): a block of several rows
-    # then attends past other sequences' cells, and its arithmetic can differ from a lone step's
-    # (measured: 8 concurrent greedy generations verified in blocks, some left their solo text), so
-    # only one-token forwards are batch-invariant there.
+    # Its sequences' KV cells share one buffer (llama.cpp's unified cache): a forward then attends
+    # past other sequences' cells, and its arithmetic can differ from a run of its own (measured:
+    # greedy generations beside others left their solo text, also verified one token a forward),
+    # so no generation is batch-invariant there while other sequences may hold cells.
     kv_shared: bool
 
     @property

@@ -127,7 +127,7 @@ class LlamaCppBackend(BackendBase):
         cparams.n_ubatch = self._n_batch
         cparams.n_seq_max = n_seq + tree_branches
         cparams.kv_unified = not kv_per_sequence
-        self.kv_shared = not kv_per_sequence and n_seq + tree_branches > 1
+        self.kv_shared = not kv_per_sequence and n_seq > 1  # (a tree's branch cells are cleared after its step)
         # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
         cparams.n_outputs_max = self._rows_max
         cparams.n_threads = n_threads

@@ -162,9 +162,16 @@ class SpeculativeEngine:
                                 options.stop, options.logprobs, options.record_top2_gaps, started)
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
                          options.invariant)
+        if gen.invariant and getattr(self.target, "kv_shared", False):  # (a test double may not declare it)
+            if options.batch_invariant == "on":
+                raise SpecDecodeError(
+                    f"batch_invariant = \"on\" (strict mode) needs a KV cache of its own for each sequence: "
+                    f"{self.target.name} holds {self.target.n_seq} sequences in one shared buffer, where what runs "
+                    "beside a generation changes its arithmetic; load it with kv_per_sequence=True "
+                    "(serve --strict)", param="batch_invariant")
+            gen.invariant = False  # "auto" (a seed) verifies as usual there
         if gen.invariant:
-            # A cache shared with other sequences: only one-token forwards are batch-invariant.
-            block = 1 if self.target.kv_shared else self.forwards.invariant_block(where)
+            block = self.forwards.invariant_block(where)
             # "auto" does not trade all speculation for it: with a block of 1 (no forward of two
             # tokens equals two one-token steps) the generation verifies as usual instead.
             gen.invariant = block >= 2 or options.batch_invariant == "on"

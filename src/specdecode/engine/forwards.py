@@ -1,7 +1,7 @@
 """The forwards of one batched step (:meth:`BatchForwards.run`): every generation's block in one
-forward, except that a generation verified batch-invariantly goes in a forward of its own of
-at most the target's measured ``invariant_block`` tokens, in the target's batch-invariant mode,
-so that every row has the logits of a one-token step (docs/architecture.md, "Lossless, defined";
+forward, except that a generation verified batch-invariantly goes in forwards of at most the
+target's measured ``invariant_block`` tokens, in the target's batch-invariant mode, so that
+every row has the logits of a one-token step (docs/architecture.md, "Lossless, defined";
 :mod:`specdecode.control.invariance` says which kernels differ and why).
 
 Dimension letters: k_i = drafted tokens of generation i, V = vocabulary size.
@@ -30,19 +30,25 @@ class BatchForwards:
         self._invariant_mode = False  # the target's set_batch_invariant, as last set
 
     def run(self, gens: Sequence[Any], items: list[SeqForward]) -> tuple[list[np.ndarray], dict, bool]:
-        """The step's forward: one for every generation, except that each batch-invariant one
-        goes in a forward of its own of at most invariant_block tokens (in that mode). Hidden
-        states only for the sequences whose drafter reads them.
+        """The step's forward: one for every generation, except that batch-invariant ones go
+        in forwards of at most invariant_block tokens (in that mode), of their own unless the
+        whole step fits one. Hidden states only for the sequences whose drafter reads them.
         Returns logits [k_i+1, V] per item, in order, the hidden rows by sequence id, and
         whether the step's time is a sample of T(n): one forward, timed as the cost curve is
         (not a lone one-token step, which batch-invariant mode runs on one thread)."""
         hidden_for = {gen.slot.seq for gen in gens if isinstance(gen.drafter, HiddenStateDrafter)}
-        # A batch-invariant generation's block goes in a forward of its own: rows of other
-        # sequences in the same forward change its attention's arithmetic (measured on
-        # llama.cpp's unified KV cache: 8 concurrent greedy requests, 3 differed from their
-        # solo plain runs while packed, none alone).
-        groups = [([i for i, g in enumerate(gens) if not g.invariant], False)]
-        groups += [([i], True) for i, g in enumerate(gens) if g.invariant]
+        block = max((g.out.stats.invariant_block for g in gens if g.invariant), default=0)
+        if block and sum(len(it.token_ids) for it in items) <= block:
+            groups = [(list(range(len(gens))), True)]  # it all fits one batch-invariant forward
+        else:
+            groups = [([i for i, g in enumerate(gens) if not g.invariant], False)]
+        for i, gen in enumerate(gens if len(groups[0][0]) < len(gens) else ()):  # packed while they fit
+            last, invariant = groups[-1]
+            rows = sum(len(items[j].token_ids) for j in last) + len(items[i].token_ids)
+            if gen.invariant and (invariant and rows <= gen.out.stats.invariant_block):
+                last.append(i)
+            elif gen.invariant:
+                groups.append(([i], True))
         logits: list = [None] * len(items)
         hidden: dict = {}
         for idx, invariant in groups:

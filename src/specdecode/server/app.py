@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from ..errors import SpecDecodeError
 from .access import (AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin,
                      require_json)
 from .config import ServerOptions
@@ -105,6 +106,10 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
     options = replace(options or ServerOptions(), **fields)
     if options.model_name is None:
         options = replace(options, model_name=decoder.target_name)
+    if options.strict and getattr(decoder.target, "kv_shared", False):
+        raise SpecDecodeError(f"strict mode for every request needs a KV cache of its own for each slot: the target "
+                              f"{decoder.target_name} holds {decoder.target.n_seq} in one shared buffer; load the "
+                              "Decoder with kv_per_sequence=True (serve --strict does)", param="strict")
     worker = Worker(decoder, options, lambda w: Metrics(w.queue_len, w.running))
 
     @contextlib.asynccontextmanager

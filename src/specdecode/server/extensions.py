@@ -31,7 +31,8 @@ from ..messages import json_repr
 
 # An option the engine names (SpecDecodeError.param) -> the request field that set it.
 FIELD_OF_OPTION = {"draft": "speculative.draft", "num_speculative_tokens": "speculative.num_speculative_tokens",
-                   "prediction": "prediction", "max_tree_nodes": "speculative.max_tree_nodes"}
+                   "prediction": "prediction", "max_tree_nodes": "speculative.max_tree_nodes",
+                   "batch_invariant": "speculative.strict"}
 SPECULATIVE_FIELDS = ("draft", "num_speculative_tokens", "max_tree_nodes", "trace", "strict")
 
 
