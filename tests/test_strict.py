@@ -13,6 +13,7 @@ below without ``batch_invariant="on"``: 3 of 8.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from specdecode.api import Decoder
@@ -23,6 +24,7 @@ from specdecode.server import create_app
 
 from conftest import SMOLLM
 from test_batching import batched
+from test_server import ServerThread
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -71,6 +73,11 @@ def test_strict_is_refused_in_a_shared_cache():
         with pytest.raises(SpecDecodeError) as e:
             create_app(dec, strict=True)
         assert e.value.param == "strict"
+        with ServerThread(create_app(dec)) as server:
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "model": SMOLLM, "messages": chat("Hi"), "max_tokens": 4, "speculative": {"strict": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.strict", r.text
+        assert "--strict" in r.json()["error"]["message"]
 
 
 def test_strict_with_a_cache_per_slot_speculates_and_equals_solo_plain_decoding(solo):
