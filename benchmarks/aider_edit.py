@@ -95,7 +95,9 @@ def run_aider(args, port: int, fmt: str, speculate: bool, work: Path) -> dict:
     code = SOURCE.read_text().split("```python\n", 1)[1].rsplit("```", 1)[0]  # the file the fences hold
     target.write_text(code)
     settings = repo / "model-settings.yml"
-    extra = {"temperature": 0} if speculate else {"temperature": 0, "extra_body": {"speculative": {"draft": "none"}}}
+    extra = {"temperature": 0, "max_tokens": args.max_tokens}
+    if not speculate:
+        extra["extra_body"] = {"speculative": {"draft": "none"}}
     settings.write_text(f"- name: openai/{args.target}\n  edit_format: {fmt}\n  use_temperature: true\n"
                         f"  extra_params: {json.dumps(extra)}\n")
     env = {**os.environ, "OPENAI_API_BASE": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "none",
@@ -124,6 +126,7 @@ def main() -> None:
     ap.add_argument("--ctx-size", type=int, default=8192)
     ap.add_argument("--formats", default="whole,diff")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=1024, help="the cap aider's requests get (default: %(default)s)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--keep", default=None, help="folder for the repositories and aider's logs (default: a temp one)")
     args = ap.parse_args()
