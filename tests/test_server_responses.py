@@ -20,7 +20,6 @@ import openai
 import pytest
 
 from specdecode.api import Decoder
-from specdecode.backends.base import BackendBase
 from specdecode.server import create_app
 from specdecode.server.apierror import APIError
 from specdecode.server.protocol import parse_request
@@ -28,6 +27,7 @@ from specdecode.server.responses_api import ResponseStore, input_messages, parse
 from specdecode.server.toolcalls import HermesFormat
 
 from test_server import ServerThread
+from test_server_access import ByteBackend
 
 MODEL = "script"
 EOS = 256
@@ -37,29 +37,17 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 
 
-class ScriptBackend(BackendBase):
-    """A text model over bytes (ids 0..255, 256 ends generation) whose greedy answer after the
-    last "assistant:" is ANSWER, or CALL when the prompt presents tools. Its chat template
-    teaches Hermes tool calls. ``prompts`` records every prompt it was asked to render."""
+class ScriptBackend(ByteBackend):
+    """The byte model of tests/test_server_access.py, scripted otherwise: its greedy answer
+    after the last "assistant:" is ANSWER, or CALL when the prompt presents tools, and its
+    chat template teaches Hermes tool calls. ``prompts`` records every prompt it rendered."""
 
-    thread_safe_tokenizer = True
     chat_template = "{{ messages }} <tool_call> (Hermes)"
 
     def __init__(self, n_ctx: int = 4096) -> None:
-        self.name, self._n_vocab, self._n_ctx, self._eog = MODEL, EOS + 1, n_ctx, frozenset({EOS})
-        self.tokens: list[int] = []
+        super().__init__(n_ctx)
+        self.name = MODEL
         self.prompts: list[str] = []
-
-    _kv_len = property(lambda self: len(self.tokens))
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return list(text.encode())
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([token_id]) if token_id < EOS else b""
-
-    def token_text(self, token_id: int) -> bytes:
-        return bytes([token_id]) if token_id < EOS else b"</s>"
 
     def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
         lines = [f"{m['role']}: {m.get('content') or ''}{json.dumps(m.get('tool_calls')) if m.get('tool_calls') else ''}"
@@ -84,13 +72,6 @@ class ScriptBackend(BackendBase):
         for r, i in enumerate(rows):
             out[r, self._next(base + i + 1)] = 10.0
         return out
-
-    def rollback(self, n: int, seq: int = 0) -> None:
-        if self._check_rollback(n, seq):
-            del self.tokens[n:]
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
