@@ -74,13 +74,17 @@ class ByteBackend(BackendBase):
     def forward(self, token_ids: Sequence[int], logits_for: Sequence[int], seq: int = 0) -> np.ndarray:
         rows = self._check_forward(token_ids, logits_for, seq)
         self.forwards += 1
+        base = len(self.tokens)
         self.tokens.extend(int(t) for t in token_ids)
         out = np.zeros((len(rows), self._n_vocab), dtype=np.float32)
-        base = len(self.tokens) - len(token_ids)
         for r, i in enumerate(rows):
-            last = self.tokens[base + i]
-            out[r, ord("k") if last == ord("o") else EOS if last == ord("k") else ord("o")] = 10.0
+            out[r, self._next(base + i + 1)] = 10.0
         return out
+
+    def _next(self, upto: int) -> int:
+        """The greedy token after tokens[:upto]."""
+        last = self.tokens[upto - 1]
+        return ord("k") if last == ord("o") else EOS if last == ord("k") else ord("o")
 
     def rollback(self, n: int, seq: int = 0) -> None:
         if self._check_rollback(n, seq):
