@@ -146,19 +146,88 @@ def test_repeated_bursts_are_remeasured_and_reported():
     assert m.spread > 0.3 and m.busy and "busy" in m.note()
 
 
-def test_a_poisoned_cache_is_measured_again(tmp_path, monkeypatch):
-    target = ClockedTarget(IDLE)
+@pytest.fixture
+def timed(monkeypatch):
+    """measure_forward_curve on the target's fake clock, with the share of the CPUs other
+    processes used scripted (``timed.others``, 0.0 unless a test sets it) rather than read from
+    this machine; returns the calls' sizes."""
+    from dataclasses import replace
+
     calls = []
     real = measure.measure_forward_curve
-    monkeypatch.setattr(measure, "measure_forward_curve",
-                        lambda b, ns, **kw: calls.append(ns) or real(b, ns, timer=target.clock))
+
+    def fake(backend, ns, **kw):
+        calls.append(tuple(ns))
+        return replace(real(backend, ns, timer=backend.clock, **kw), others_cpu=timed.others)
+
+    monkeypatch.setattr(measure, "measure_forward_curve", fake)
+    timed.calls, timed.others = calls, 0.0
+    return timed
+
+
+# A cache rewritten from live steps timed while the machine was busy (the default target's, on
+# an AMD EPYC Zen 4 after a suite run beside a server): plausible, near right at small sizes,
+# T(n) = n T(1) from n = 8 on, where the idle machine's T(16) and T(33) are 0.6x that.
+LINEAR_MS = {1: 43.5, 2: 85.4, 3: 130.5, 4: 168.8, 5: 195.2, 6: 220.6, 7: 263.9, 8: 348.0, 9: 391.6, 12: 522.1,
+             16: 696.1, 24: 1044.1, 32: 1392.2, 33: 1398.2}
+LINEAR = CostCurve(COST_CURVE_NS, tuple(LINEAR_MS[n] / 1000 for n in COST_CURVE_NS))
+
+
+def _cache(target, tmp_path, curve, **fields):
+    path = measure.cost_cache_path(target, tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**curve.to_dict(), "key": measure.machine_key(target), "measured_at": time.time(),
+                                "others_cpu": 0.0, **fields}))
+    return path
+
+
+def test_a_poisoned_cache_is_measured_again(tmp_path, timed):
+    target = ClockedTarget(IDLE)
     path = measure.cost_cache_path(target, tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({**POISONED.to_dict(), "key": measure.machine_key(target),
                                 "measured_at": time.time()}))
     m = measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
-    assert len(calls) == 1 and implausible_points(m.curve.ns, m.curve.seconds) == []
-    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path) == m and len(calls) == 1
+    assert len(timed.calls) == 1 and implausible_points(m.curve.ns, m.curve.seconds) == []
+    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path) == m and len(timed.calls) == 1
+
+
+def test_a_live_cache_that_an_idle_check_contradicts_is_measured_again(tmp_path, timed):
+    target = ClockedTarget(IDLE)
+    path = _cache(target, tmp_path, LINEAR, source="live")
+    m = measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    assert timed.calls == [(1, 16, 33), tuple(COST_CURVE_NS)]  # the check, then the whole curve
+    assert m.curve(33) == pytest.approx(IDLE(33)) and m.curve(16) == pytest.approx(IDLE(16))
+    assert json.loads(path.read_text())["source"] == "measured"
+    measure.cached_measurement(target, COST_CURVE_NS, tmp_path)  # an idle measurement is trusted as it is
+    assert len(timed.calls) == 2
+
+
+def test_a_live_cache_that_the_check_confirms_is_kept_and_trusted_from_then_on(tmp_path, timed):
+    target = ClockedTarget(IDLE)
+    path = _cache(target, tmp_path, IDLE, source="live")
+    m = measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    assert timed.calls == [(1, 16, 33)] and m.curve == IDLE
+    assert "checked_at" in json.loads(path.read_text())
+    measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    assert len(timed.calls) == 1
+
+
+def test_a_busy_check_keeps_the_cache_and_checks_again_next_time(tmp_path, timed):
+    target = ClockedTarget(IDLE)
+    path = _cache(target, tmp_path, LINEAR, others_cpu=0.4)  # measured while the machine was busy
+    timed.others = 0.5  # and busy now
+    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR
+    assert "checked_at" not in json.loads(path.read_text())
+    timed.others = 0.0
+    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path).curve(33) == pytest.approx(IDLE(33))
+    assert timed.calls == [(1, 16, 33), (1, 16, 33), tuple(COST_CURVE_NS)]
+
+
+def test_an_idle_measured_cache_is_not_checked(tmp_path, timed):
+    target = ClockedTarget(IDLE)
+    _cache(target, tmp_path, LINEAR, source="measured")
+    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR and timed.calls == []
 
 
 def test_live_costs_correct_a_curve_wrong_by_10x_within_a_few_steps():

@@ -314,6 +314,14 @@ def machine_key(backend: Backend) -> str:
 # A cached curve older than this is measured again (seconds): a machine's load, its
 # library builds and its thermal state change over weeks.
 COST_CACHE_MAX_AGE_S = 14 * 24 * 3600
+# A cached curve that may describe a busy machine is checked at load (check_curve): sizes timed
+# again in this many rounds must lie within these ratios of the cached curve, or the curve is
+# measured again. Seen here (AMD EPYC Zen 4, default target): a cache rewritten from live steps
+# while the test suite ran beside a server held T(16) = 696 ms and T(33) = 1398 ms (T(n) = n T(1)
+# from n = 8 on), where the idle machine measures 446 ms and 760 ms; every later start planned
+# with it, K stayed at 5 and a whole-file edit ran at 1.25x plain instead of 1.8x.
+CHECK_ROUNDS = 3
+CHECK_BOUNDS = (0.75, 1.33)
 
 
 def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
@@ -327,7 +335,12 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
     cache. The curve is measured again when the cache was written under another key (a
     different model file, library build, thread count or CPU), for other ns, more than
     ``max_age_s`` seconds ago, was marked stale by :func:`mark_stale`, or is implausible (a
-    curve cached by an older version, or edited by hand)."""
+    curve cached by an older version, or edited by hand).
+
+    A cached curve that may describe a busy machine (:func:`_suspect`: measured while other
+    processes used the CPUs, or rewritten from live step times, which a busy machine sets) is
+    checked first (:func:`check_curve`): when an idle check contradicts it, it is measured
+    again; when the check agrees it is marked checked and trusted from then on."""
     key = machine_key(backend)
     path = cost_cache_path(backend, cache_dir)
     if not refresh and path.exists():
@@ -337,7 +350,13 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
             fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
             if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
                     and not implausible_points(m.curve.ns, m.curve.seconds)):
-                return m
+                if not _suspect(data):
+                    return m
+                verdict = check_curve(backend, m.curve)
+                if verdict == "agrees":
+                    write_text_atomic(path, json.dumps({**data, "checked_at": time.time()}))
+                if verdict != "contradicts":  # agrees, or the machine is busy now: no better curve to get
+                    return m
         except (ValueError, KeyError, TypeError):
             pass
     m = measure_forward_curve(backend, ns)
@@ -345,6 +364,35 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
         write_text_atomic(path, json.dumps({**m.to_dict(), "model": backend.name, "key": key,
                                             "measured_at": time.time(), "source": "measured"}))
     return m
+
+
+def _suspect(data: dict) -> bool:
+    """Whether a cached curve (its JSON) may describe a busy machine and has not been checked
+    since it was written: measured while the machine looked busy, or rewritten from live
+    step times (:func:`rewrite_from_live`)."""
+    try:
+        busy = Measurement.from_dict(data).busy
+    except (ValueError, KeyError, TypeError):
+        return True
+    unchecked = float(data.get("checked_at", 0)) < float(data.get("measured_at", 0))
+    return unchecked and (busy or data.get("source") == "live")
+
+
+def check_curve(backend: Backend, curve: CostCurve, rounds: int = CHECK_ROUNDS) -> str:
+    """Time T(n) again at three of the curve's sizes (the smallest, 16 or the nearest, and
+    the largest one sequence verifies) in ``rounds`` interleaved rounds, about a tenth of a
+    full measurement, and compare. Returns "agrees" (every size within CHECK_BOUNDS of the
+    curve), "contradicts" (one is not) or "busy" (the machine looked busy during the check:
+    it cannot judge the curve)."""
+    top = max([n for n in curve.ns if n <= MAX_NUM_SPECULATIVE_TOKENS + 1] or [curve.ns[0]])
+    mid = min(curve.ns, key=lambda n: abs(n - 16))
+    sizes = sorted({curve.ns[0], min(mid, top), top})
+    m = measure_forward_curve(backend, sizes, rounds=rounds)
+    if m.busy:
+        return "busy"
+    lo, hi = CHECK_BOUNDS
+    ok = all(lo <= s / curve(n) <= hi for n, s in zip(m.curve.ns, m.curve.seconds))
+    return "agrees" if ok else "contradicts"
 
 
 def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
