@@ -24,7 +24,8 @@ from specdecode.sampling import SamplingParams
 def test_builtin_suite_has_eight_prompts_per_category():
     prompts = load_prompts(None)
     for cat in CATEGORIES:
-        assert sum(p.category == cat for p in prompts) >= (6 if cat in ("predicted_edits", "agent") else 8), cat
+        least = 6 if cat in ("predicted_edits", "agent") else 4 if cat in EDITOR_CATEGORIES else 8
+        assert sum(p.category == cat for p in prompts) >= least, cat
     assert len({p.id for p in prompts}) == len(prompts)
 
 
@@ -38,17 +39,51 @@ def test_edits_and_agent_prompts_carry_their_prediction():
             assert code.strip() and code[:200] in (p.prompt or p.messages[-1]["content"]), p.id
         elif p.category == "agent":
             assert p.prediction in p.messages[-1]["content"], p.id
+        elif p.category in EDITOR_CATEGORIES:
+            assert p.prediction and p.prediction in p.messages[-1]["content"] + p.messages[-3]["content"], p.id
         else:
             assert p.prediction is None, p.id
     agent = [p for p in prompts if p.category == "agent"]
     assert all(a.messages == b.messages for a, b in zip(agent[::2], agent[1::2]))
 
 
+EDITOR_CATEGORIES = ("edit_whole", "edit_search_replace", "edit_udiff", "agent_tool_result")
+
+
+def test_editor_categories_send_what_editors_and_agents_send():
+    """aider's three edit formats (its system prompt, examples, file message and reminder; the
+    file in the message before last but one) and an agent's turn after an OpenAI tool call
+    (tools presented by the template, the result in a tool message)."""
+    prompts = {p.id: p for p in load_prompts(None)}
+    marks = {"edit_whole": "*file listing*", "edit_search_replace": "<<<<<<< SEARCH", "edit_udiff": "diff -U0"}
+    for cat, mark in marks.items():
+        for i in range(1, 5):
+            p = prompts[f"{cat}-{i:02d}"]
+            assert mark in p.messages[0]["content"] and p.messages[-1]["role"] == "user" and p.tools is None
+            assert "*added these files to the chat*" in p.messages[-3]["content"], p.id
+            assert "{code}" not in p.messages[-3]["content"] and "{request}" not in p.messages[-1]["content"]
+    for i in range(1, 5):
+        p = prompts[f"agent_tool_result-{i:02d}"]
+        call, result = p.messages[-2], p.messages[-1]
+        assert call["tool_calls"][0]["function"]["name"] in {t["function"]["name"] for t in p.tools}
+        assert result == {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": p.prediction}
+
+
+def test_a_prompt_file_with_bad_tools_is_refused(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"category": "x", "prompt": "hi", "tools": [{"type": "function"}]}) + "\n")
+    with pytest.raises(SpecDecodeError, match="line 1: 'tools' must be a list of tool objects, with 'messages'"):
+        load_prompts(f)
+    f.write_text(json.dumps({"category": "x", "messages": [{"role": "user", "content": "hi"}], "tools": "no"}) + "\n")
+    with pytest.raises(SpecDecodeError, match="'tools' must be"):
+        load_prompts(f)
+
+
 def test_the_repeat_category_chains_requests():
     """"repeat" (after the free-text categories) opens each chain with a novel request, later
     ones asking for (nearly) the same output again in a new prompt; the first three are one chain."""
     assert CATEGORIES == ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn",
-                          "repeat", "json_schema", "predicted_edits", "agent")
+                          "repeat", "json_schema", "predicted_edits", "agent") + EDITOR_CATEGORIES
     rep = [p for p in load_prompts(None) if p.category == "repeat"]
     assert [p.id for p in rep] == [f"repeat-{i:02d}" for i in range(1, 9)]
     assert all(p.messages and 100 <= p.max_tokens <= 200 for p in rep)

@@ -326,7 +326,7 @@ def run_bench(config: BenchConfig) -> dict:
         oracle_drafters, curve = _oracle_setup(drafts, target, params.greedy)
 
         def ids_of(p: BenchPrompt) -> list[int]:
-            return dec.prompt_ids(p.prompt, p.messages)
+            return dec.prompt_ids(p.prompt, p.messages, p.tools)
 
         runs = [_warm_up(prompts, ids_of, target, plain_engine, engines, params)]
 

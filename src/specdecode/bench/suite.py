@@ -16,7 +16,8 @@ from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 
 # The built-in suite's categories, in the order reports list them.
 CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat",
-              "json_schema", "predicted_edits", "agent")
+              "json_schema", "predicted_edits", "agent", "edit_whole", "edit_search_replace", "edit_udiff",
+              "agent_tool_result")
 DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
 
 
@@ -26,7 +27,8 @@ class BenchPrompt:
     max_tokens is the completion cap in tokens; grammar, when set, constrains every
     generation of the prompt (structured output, from the entry's ``json_schema``);
     prediction, when set, is the output the client expects (the original file of an edit):
-    each configuration that can follow one also runs with it, as ``CONFIG+prediction``."""
+    each configuration that can follow one also runs with it, as ``CONFIG+prediction``;
+    tools, when set, are the OpenAI tool objects the chat template presents (messages only)."""
 
     id: str
     category: str
@@ -35,6 +37,7 @@ class BenchPrompt:
     max_tokens: int
     grammar: Grammar | None = None
     prediction: str | None = None
+    tools: list | None = None
 
 
 def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENCH_MAX_TOKENS) -> list[BenchPrompt]:
@@ -43,8 +46,9 @@ def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENC
     Each line: ``category``, exactly one of ``prompt`` or ``messages``, optional
     ``max_tokens`` (tokens; default_max_tokens otherwise), ``id``, ``json_schema`` (a
     JSON schema object the output must match: :meth:`Grammar.json_schema`, named after the
-    file and line; compiled only when generating), and ``prediction`` (a string: the
-    predicted output).
+    file and line; compiled only when generating), ``prediction`` (a string: the
+    predicted output) and ``tools`` (with ``messages``: a list of OpenAI tool objects the
+    chat template presents, as agents send them).
     Raises SpecDecodeError naming the file and line for malformed entries, and when the
     file is missing or holds no prompts.
     """
@@ -85,8 +89,12 @@ def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENC
             grammar = Grammar.json_schema(obj["json_schema"], name=f"{where}, line {i}")
         if not isinstance(obj.get("prediction", ""), str):
             raise SpecDecodeError(f"{where}, line {i}: 'prediction' must be a string")
+        tools = obj.get("tools")
+        if tools is not None and (not has_m or not isinstance(tools, list)
+                                  or not all(isinstance(t, dict) for t in tools)):
+            raise SpecDecodeError(f"{where}, line {i}: 'tools' must be a list of tool objects, with 'messages'")
         out.append(BenchPrompt(str(obj.get("id", f"{obj['category']}-{i}")), obj["category"], obj.get("prompt"),
-                               obj.get("messages"), mt, grammar, obj.get("prediction") or None))
+                               obj.get("messages"), mt, grammar, obj.get("prediction") or None, tools or None))
     if not out:
         raise SpecDecodeError(f"{where} holds no prompts")
     return out
