@@ -76,11 +76,11 @@ _SQL = {"type": "function", "function": {
 
 # (question, tools, the call made, the tool's result)
 AGENT = [
-    ("What's the weather in Oslo right now? Give me the temperature, the wind and the humidity.",
+    ("What's the weather in Oslo right now? Tell me every figure you get.",
      [_WEATHER], ("get_weather", {"city": "Oslo", "unit": "celsius"}),
      json.dumps({"city": "Oslo", "temperature": -3.2, "unit": "celsius", "conditions": "snow showers",
                  "wind_kmh": 31, "humidity": 0.87, "observed_at": "2026-12-01T08:50:00Z"})),
-    ("How do I make the server listen on every interface? Quote the documentation.",
+    ("How do I make the server listen on every interface? Quote the documentation word for word.",
      [_SEARCH, _READ], ("search_docs", {"query": "listen on all interfaces host"}),
      json.dumps([{"page": "docs/server.md", "section": "Who may call it",
                   "text": "By default the server listens on 127.0.0.1 only. Start it with --host 0.0.0.0 to listen "
@@ -88,7 +88,7 @@ AGENT = [
                  {"page": "docs/cli.md", "section": "serve",
                   "text": "--host ADDRESS: the address to listen on (default 127.0.0.1). --port N: the port "
                           "(default 8000)."}])),
-    ("What does parse_line return for a line that does not match? Show me the function.",
+    ("What does parse_line return for a line that does not match? Show me the whole function, then explain.",
      [_READ, _SEARCH], ("read_file", {"path": "access_log.py"}),
      None),  # the result: access_log.py (predicted_edits-03's original)
     ("Which three regions sold the most in November? Give the totals exactly.",
@@ -125,8 +125,9 @@ def agent_entries(suite: list[dict]) -> list[dict]:
     for i, (question, tools, (name, args), result) in enumerate(AGENT, 1):
         result = result if result is not None else original_code(suite, "predicted_edits-03")
         call = {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-        messages = [{"role": "system", "content": "You are a helpful assistant with tools. Answer from the tools' "
-                                                  "results and quote them exactly."},
+        messages = [{"role": "system", "content": "You are a helpful assistant with tools. Once a tool's result is "
+                                                  "in the conversation, do not call the tool again: answer the user "
+                                                  "in plain sentences, quoting the result's values exactly."},
                     {"role": "user", "content": question},
                     {"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": f"call_{i}", "content": result}]

@@ -52,6 +52,31 @@ def test_a_repeated_output_is_drafted_from_the_earlier_request():
     assert d.propose(list(p1), 16).token_ids == out1[:16]
 
 
+def test_a_history_taken_and_put_back_forgets_what_came_after():
+    """What the bench uses to run a prompt again with its prediction from the history its
+    first run started from: the answer stored in between is gone, the earlier ones are
+    drafted from as before, and putting back the later state brings the answer back."""
+    from specdecode.bench.runner import history_as, history_keepers
+
+    d = SuffixDrafter()
+    p1, out1 = list(range(1, 21)), list(range(100, 140))
+    p2, out2 = list(range(200, 216)), list(range(300, 340))
+    request(d, p1 + out1, len(p1))
+    before = d.history_state()
+    request(d, p2 + out2, len(p2))
+    assert history_keepers(d) == [d] and len(d.history()) == 2
+    with history_as([d], [before]):
+        assert d.history() == [p1 + out1] and d.stored_tokens == len(p1 + out1)
+        d.start(p2, SAMPLER)
+        assert d.lookup(p2 + out2[:8]).length == 0  # the answer stored after the state was taken is gone
+        assert d.propose(p2, 8).token_ids == []
+        assert d.propose(list(range(500, 510)) + out1[:8], 8).token_ids == out1[8:16]
+        request(d, [7, 7, 7, 7], 2)  # stored meanwhile: dropped when the block ends
+    assert d.history() == [p1 + out1, p2 + out2]
+    d.start(p2, SAMPLER)
+    assert d.propose(list(p2), 8).token_ids == out2[:8]
+
+
 def test_the_current_request_is_indexed_too():
     d = SuffixDrafter(max_spec_factor=4.0)
     ctx = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]

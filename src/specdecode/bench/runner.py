@@ -18,6 +18,7 @@ configuration's draft: the speedup a perfectly informed controller would reach.
 
 from __future__ import annotations
 
+
 import dataclasses
 import resource
 import sys
@@ -180,15 +181,19 @@ def _add_oracle(runs: list[tuple[list[int], list[int], list[dict], list[int] | N
                 oracle_drafters: dict[str, list], curve: CostCurve) -> None:
     """Replay each run's plain greedy output (prompt ids, output ids, its rows, its prediction), in bench
     order, with the oracle over each draft's lookup drafters (kept across runs, so suffix
-    history accumulates as in the engines), and set each row's oracle_time_s and
+    history accumulates as in the engines; a prompt's +prediction replay starts from the
+    history its first replay started from, as :func:`_time_prompt` runs it), and set each row's oracle_time_s and
     oracle_plain_time_s (seconds: the oracle's, and len(output) * T(1)). One replay per
     draft serves every configuration of that draft ("ngram:3" and "ngram:auto")."""
     for ids, out, rows, prediction in runs:
         res: dict[tuple[str, bool], OracleResult] = {}
-        for with_pred in (False, True) if prediction else (False,):  # in the engines' order
-            for d, ds in oracle_drafters.items():
-                res[d, with_pred] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS,
-                                                  prediction=prediction if with_pred else None)
+        for d, ds in oracle_drafters.items():  # as the engines run: +prediction from the history before the first
+            learners = [x for x in ds if hasattr(x, "history_state")]
+            before = [x.history_state() for x in learners]
+            res[d, False] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS)
+            if prediction:
+                with history_as(learners, before):
+                    res[d, True] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS, prediction=prediction)
         for row in rows:
             r = res.get((drafts[row["config"]], row["config"].endswith(WITH_PREDICTION)))
             if r is not None:
@@ -255,6 +260,28 @@ def _drafts_by_row_name(config: BenchConfig) -> dict[str, str]:
             for w in ("", WITH_PREDICTION, WITH_TREES, WITH_TREES + WITH_PREDICTION)}
 
 
+def history_keepers(drafter) -> list:
+    """The drafters of ``drafter`` (itself, or a controller's members) that keep a history of
+    earlier requests (suffix drafting: ``history_state``)."""
+    return [d for d in [drafter, *drafter.members()] if hasattr(d, "history_state")]
+
+
+@contextmanager
+def history_as(learners: list, states: list):
+    """Run the block with the learners' histories set to ``states`` (taken before the prompt's
+    first run), then put back what they held: a prompt's second run (with its prediction)
+    starts from the history its first run started from, and leaves the history as the first
+    run left it, so later prompts see the same history either way."""
+    after = [d.history_state() for d in learners]
+    for d, s in zip(learners, states):
+        d.set_history_state(s)
+    try:
+        yield
+    finally:
+        for d, s in zip(learners, after):
+            d.set_history_state(s)
+
+
 def follows_prediction(drafter) -> bool:
     """Whether a drafter drafts from a request's prediction (the prediction kind, or the
     controller over it)."""
@@ -266,7 +293,8 @@ def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: Speculati
                  trees: int | None = None) -> tuple[GenerationResult, dict]:
     """The i-th prompt's plain run and each configuration's (name -> result); with a
     prediction (its token ids), each configuration that follows one runs again with it, as
-    ``NAME+prediction``; with trees (a node budget > 0), the engines named ``NAME+trees``
+    ``NAME+prediction``, from the suffix history as it was before the configuration's first
+    run of this prompt (:func:`history_as`); with trees (a node budget > 0), the engines named ``NAME+trees``
     (drafters of their own) run with trees and the others with chains. Plain goes first on even prompts and last on odd ones, so
     that load changing over the run weighs on both sides alike."""
     def run_plain():
@@ -277,11 +305,14 @@ def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: Speculati
         out = {}
         for name, eng in engines.items():
             nodes = trees if name.endswith(WITH_TREES) else 0 if trees else None  # None: the engine's default
+            learners = history_keepers(eng.drafter)
+            before = [d.history_state() for d in learners]
             out[name] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar,
                                      max_tree_nodes=nodes)
             if prediction and follows_prediction(eng.drafter):
-                out[name + WITH_PREDICTION] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens,
-                                                           grammar=p.grammar, prediction=prediction)
+                with history_as(learners, before):  # not the answer the run above just stored
+                    out[name + WITH_PREDICTION] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens,
+                                                               grammar=p.grammar, prediction=prediction)
         return out
 
     if i % 2 == 0:

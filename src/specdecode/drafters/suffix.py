@@ -211,6 +211,24 @@ class SuffixDrafter(LookupDrafter):
         self._stored += n
         self._evict()
 
+    def history_state(self) -> tuple:
+        """The stored history, as an opaque value for :meth:`set_history_state` (a copy: later
+        requests do not change it). The bench runs a prompt a second time (with its prediction)
+        from the history as it was before the first run, so that the second does not find the
+        answer the first just stored."""
+        return (self._buf[:self._used].copy(), self._used, self._keys.copy(), self._pos.copy(), OrderedDict(self._seqs),
+                self._starts.copy(), self._ids.copy(), self._next_id, self._stored)
+
+    def set_history_state(self, state: tuple) -> None:
+        """Put back a history taken by :meth:`history_state` (the live request is dropped)."""
+        buf, used, keys, pos, seqs, starts, ids, next_id, stored = state
+        self._buf = np.full(max(1 << 16, 2 * used), -1, dtype=np.int32)
+        self._buf[:used] = buf
+        self._used, self._keys, self._pos, self._seqs = used, keys.copy(), pos.copy(), OrderedDict(seqs)
+        self._starts, self._ids, self._next_id, self._stored = starts.copy(), ids.copy(), next_id, stored
+        self._live_len = 0
+        self._reset_live()
+
     # -- inspection ------------------------------------------------------------------
 
     @property
