@@ -1,20 +1,23 @@
 """An editor, measured as it calls: aider editing a small repository through `specdecode serve`.
 
 aider (https://aider.chat) talks to any OpenAI-compatible server. This script makes a small
-repository (one 30-line Python file: the function of examples/edit_function_prediction.py), starts `specdecode
-serve` once (the default pair and settings unless told otherwise), and runs the same aider
-edit again and again, alternating speculation on (the server's default) and off (the request
-field ``speculative.draft = "none"``, sent through aider's model settings ``extra_params``),
-in aider's whole-file and search/replace (``diff``) formats. Each run starts from the original
-file; the edit applied when the file afterwards has the new name and not the old one.
+repository (one 30-line Python file: the function of examples/edit_function_prediction.py) and
+starts two servers on the same target: one with speculation (the default pair and settings
+unless told otherwise) and one with ``--draft none``. Each round asks aider for a different
+edit of the original file (EDITS), through each server in turn (which goes first
+alternates), in aider's whole-file and search/replace (``diff``) formats. Each server sees
+each prompt once, so neither gets the other's prompt cache, and the speculating one has only
+earlier, different edits in its history, as in an editing session. The edit applied when the
+file afterwards passes the edit's check.
 
 aider lives in its own virtual environment (its pins differ from this project's):
 
     python -m venv .aider-venv && .aider-venv/bin/pip install aider-chat
-    python benchmarks/aider_edit.py --aider .aider-venv/bin/aider --rounds 3
+    python benchmarks/aider_edit.py --aider .aider-venv/bin/aider --rounds 5
 
-Prints, per format, the median wall time of aider's run (model time and aider's own work) with
-and without speculation, their ratio, the server's decode tokens/s, and whether each edit
+Prints each run, then per format the median wall time of aider's run (model time and
+aider's own start-up and work) with and without speculation, their ratio, the same for the
+seconds the requests spent in the server, the server's decode tokens/s, and whether each edit
 applied.
 """
 
@@ -37,8 +40,21 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "examples" / "edit_function_prediction.py"
-MESSAGE = "Rename the parameter `data` to `records` everywhere in summarize_orders. Change nothing else."
-OLD, NEW = "data", "records"
+# (the request, a check that the edited file passes): different edits, one per round.
+EDITS = [
+    ("Rename the parameter `data` to `records` everywhere in summarize_orders. Change nothing else.",
+     lambda t: "def summarize_orders(records," in t and "in records:" in t and "(data," not in t),
+    ("Change the default currency from \"EUR\" to \"USD\". Change nothing else.",
+     lambda t: 'currency="USD"' in t and '"EUR"' not in t),
+    ("Round the average to 1 decimal place instead of 2. Change nothing else.",
+     lambda t: "round(average, 1)" in t and "round(average, 2)" not in t),
+    ("Rename the parameter `min_total` to `threshold` everywhere in summarize_orders. Change nothing else.",
+     lambda t: "threshold" in t and "min_total" not in t),
+    ("Add a one-line docstring to summarize_orders saying what it returns. Change nothing else.",
+     lambda t: '"""' in t and "grand_total" in t),
+    ("Sort the rows by customer name instead of by total. Change nothing else.",
+     lambda t: 'row["customer"]' in t and 'key=lambda row: row["total"]' not in t),
+]
 
 
 def cpu_name() -> str:
@@ -54,11 +70,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, log: Path) -> subprocess.Popen:
+def start_server(args, port: int, log: Path, draft: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "specdecode", "serve", "--target", args.target, "--port", str(port),
            "--ctx-size", str(args.ctx_size)]
-    if args.draft:
-        cmd += ["--draft", args.draft]
+    if draft:
+        cmd += ["--draft", draft]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while True:
@@ -75,10 +91,26 @@ def start_server(args, port: int, log: Path) -> subprocess.Popen:
         time.sleep(0.5)
 
 
+def _total(text: str, name: str) -> float:
+    """The sum of one /metrics series over its labels."""
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def server_work(before: str, after: str) -> dict:
+    """What the server did between two /metrics reads: requests, prompt and generated tokens,
+    and the seconds requests spent in the server (their end-to-end latencies summed)."""
+    def delta(name: str) -> float:
+        return _total(after, name) - _total(before, name)
+    return {"requests": int(delta("specdecode:e2e_request_latency_seconds_count")),
+            "prompt_tokens": int(delta("specdecode:prompt_tokens_total")),
+            "generated_tokens": int(delta("specdecode:generation_tokens_total")),
+            "model_s": delta("specdecode:e2e_request_latency_seconds_sum")}
+
+
 def decode_rate(before: str, after: str) -> float | None:
     """Generated tokens per second after the first token, between two /metrics reads."""
-    def total(text: str, name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    total = _total
     tokens = total(after, "specdecode:generation_tokens_total") - total(before, "specdecode:generation_tokens_total")
     seconds = (total(after, "specdecode:e2e_request_latency_seconds_sum")
                - total(before, "specdecode:e2e_request_latency_seconds_sum")
@@ -87,7 +119,8 @@ def decode_rate(before: str, after: str) -> float | None:
     return tokens / seconds if tokens and seconds > 0 else None
 
 
-def run_aider(args, port: int, fmt: str, speculate: bool, work: Path) -> dict:
+def run_aider(args, port: int, fmt: str, speculate: bool, work: Path, edit: int) -> dict:
+    message, check = EDITS[edit % len(EDITS)]
     repo = work / f"repo-{fmt}-{'spec' if speculate else 'plain'}"
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
@@ -96,8 +129,6 @@ def run_aider(args, port: int, fmt: str, speculate: bool, work: Path) -> dict:
     target.write_text(code)
     settings = repo / "model-settings.yml"
     extra = {"temperature": 0, "max_tokens": args.max_tokens}
-    if not speculate:
-        extra["extra_body"] = {"speculative": {"draft": "none"}}
     settings.write_text(f"- name: openai/{args.target}\n  edit_format: {fmt}\n  use_temperature: true\n"
                         f"  extra_params: {json.dumps(extra)}\n")
     env = {**os.environ, "OPENAI_API_BASE": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "none",
@@ -105,7 +136,7 @@ def run_aider(args, port: int, fmt: str, speculate: bool, work: Path) -> dict:
     cmd = [args.aider, "--model", f"openai/{args.target}", "--model-settings-file", str(settings),
            "--edit-format", fmt, "--no-git", "--yes-always", "--no-auto-commits", "--map-tokens", "0",
            "--no-show-model-warnings", "--no-check-update", "--no-analytics", "--no-stream", "--no-pretty",
-           "--no-fancy-input", "--message", MESSAGE, str(target)]
+           "--no-fancy-input", "--message", message, str(target)]
     base = f"http://127.0.0.1:{port}"
     before = httpx.get(base + "/metrics", timeout=10).text
     start = time.perf_counter()
@@ -113,9 +144,10 @@ def run_aider(args, port: int, fmt: str, speculate: bool, work: Path) -> dict:
     wall = time.perf_counter() - start
     after = httpx.get(base + "/metrics", timeout=10).text
     text = target.read_text()
-    applied = f"def summarize_orders({NEW}" in text and f"in {NEW}:" in text and f"({OLD}," not in text
-    (work / f"aider-{fmt}-{'spec' if speculate else 'plain'}.log").write_text(out.stdout + out.stderr)
-    return {"wall_s": wall, "applied": applied, "rate": decode_rate(before, after), "rc": out.returncode}
+    applied = check(text)
+    (work / f"aider-{fmt}-{'spec' if speculate else 'plain'}-{edit}.log").write_text(out.stdout + out.stderr)
+    return {"wall_s": wall, "applied": applied, "rate": decode_rate(before, after), "rc": out.returncode,
+            **server_work(before, after)}
 
 
 def main() -> None:
@@ -135,32 +167,44 @@ def main() -> None:
                  "aider-chat")
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="aider-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    server = start_server(args, port, work / "serve.log")
+    ports = {True: free_port(), False: free_port()}
+    servers = {}
     results: dict = {}
     try:
+        for speculate in (True, False):
+            servers[speculate] = start_server(args, ports[speculate], work / f"serve-{'spec' if speculate else 'plain'}.log",
+                                              args.draft if speculate else "none")
+        for speculate in (True, False):  # untimed: the first request's one-off work (the cost curve's check)
+            httpx.post(f"http://127.0.0.1:{ports[speculate]}/v1/chat/completions", timeout=900,
+                       json={"model": args.target, "max_tokens": 8,
+                             "messages": [{"role": "user", "content": "Say hello."}]}).raise_for_status()
         for r in range(args.rounds):
             for fmt in args.formats.split(","):
                 order = (True, False) if r % 2 == 0 else (False, True)  # alternate which goes first
                 for speculate in order:
-                    res = run_aider(args, port, fmt, speculate, work)
+                    res = run_aider(args, ports[speculate], fmt, speculate, work, r)
                     results.setdefault((fmt, speculate), []).append(res)
-                    print(f"round {r + 1} {fmt} {'spec ' if speculate else 'plain'}: {res['wall_s']:.1f} s, applied "
-                          f"{res['applied']}, decode {res['rate'] or 0:.1f} tok/s", flush=True)
+                    print(f"round {r + 1} edit {r % len(EDITS) + 1} {fmt} {'spec ' if speculate else 'plain'}: "
+                          f"{res['wall_s']:.1f} s, applied {res['applied']}, decode {res['rate'] or 0:.1f} tok/s; "
+                          f"{res['requests']} requests, {res['prompt_tokens']} prompt + {res['generated_tokens']} "
+                          f"generated tokens, {res['model_s']:.1f} s in the server", flush=True)
     finally:
-        server.terminate()
-        server.wait(60)
+        for server in servers.values():
+            server.terminate()
+            server.wait(60)
     print(f"\naider {args.formats} edits of examples/edit_function_prediction.py through specdecode serve "
-          f"({args.target}, draft {args.draft or 'default'}), {args.rounds} rounds alternating; {cpu_name()}, "
-          f"{os.cpu_count()} CPUs")
-    print("| format | speculation s | plain s | ratio | decode tok/s spec / plain | applied spec / plain |")
-    print("|---|---|---|---|---|---|")
+          f"({args.target}; speculation: draft {args.draft or 'default'}, against a --draft none server), "
+          f"{args.rounds} rounds, a different edit each, alternating; {cpu_name()}, {os.cpu_count()} CPUs")
+    print("| format | speculation s | plain s | ratio | in the server: spec / plain s, ratio | "
+          "decode tok/s spec / plain | applied spec / plain |")
+    print("|---|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
         spec, plain = results[(fmt, True)], results[(fmt, False)]
-        ws, wp = statistics.median(x["wall_s"] for x in spec), statistics.median(x["wall_s"] for x in plain)
-        rs = statistics.median(x["rate"] or 0 for x in spec)
-        rp = statistics.median(x["rate"] or 0 for x in plain)
-        print(f"| {fmt} | {ws:.1f} | {wp:.1f} | {wp / ws:.2f}x | {rs:.1f} / {rp:.1f} | "
+        med = lambda rs, key: statistics.median(x[key] or 0 for x in rs)  # noqa: E731
+        ws, wp = med(spec, "wall_s"), med(plain, "wall_s")
+        ms, mp = med(spec, "model_s"), med(plain, "model_s")
+        print(f"| {fmt} | {ws:.1f} | {wp:.1f} | {wp / ws:.2f}x | {ms:.1f} / {mp:.1f}, {mp / ms:.2f}x | "
+              f"{med(spec, 'rate'):.1f} / {med(plain, 'rate'):.1f} | "
               f"{sum(x['applied'] for x in spec)}/{len(spec)} / {sum(x['applied'] for x in plain)}/{len(plain)} |")
     print(f"logs: {work}")
 
