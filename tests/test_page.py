@@ -170,6 +170,16 @@ def test_the_page_streams_the_apis_answer_with_its_accepted_drafts_marked(browse
     assert browser.execute_script("return document.getElementById('answer').textContent") == api_answer
     marked = answer.find_elements(By.CSS_SELECTOR, "span:not([data-by='target'])")
     assert marked and answer.find_elements(By.CSS_SELECTOR, "span[data-by='target']")
+    # Each drafter's text has its legend's colour (a suffix draft was once painted as ngram's).
+    colours = browser.execute_script(
+        "const out = {}; for (const kind of ['ngram', 'suffix', 'prediction', 'heads', 'model']) {"
+        " const a = document.createElement('span'); a.className = 'by-' + kind; a.dataset.by = kind;"
+        " document.getElementById('answer').appendChild(a);"
+        " const b = document.createElement('span'); b.className = 'by-' + kind;"
+        " document.getElementById('legend').appendChild(b);"
+        " out[kind] = [getComputedStyle(a).backgroundColor, getComputedStyle(b).backgroundColor]; a.remove(); b.remove(); }"
+        " return out;")
+    assert all(a == b for a, b in colours.values()) and len({a for a, _ in colours.values()}) == 5, colours
     assert browser.find_element(By.ID, "s-rate").text not in ("", "-")
     assert float(browser.find_element(By.ID, "s-len").text) >= 1.0
     assert browser.find_element(By.ID, "reason").text.startswith("fixed: ngram drafts K = 4")  # the line that says why
