@@ -8,7 +8,6 @@ stream the page reads, the info and costs views, and ``--no-ui``."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import urllib.parse
 
@@ -193,8 +192,6 @@ def test_the_page_streams_the_apis_answer_with_its_accepted_drafts_marked(browse
     assert "speculative" in comparison and "plain" in comparison and comparison.endswith("x")
     shot = tmp_path / "page.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-    if os.environ.get("SPECDECODE_SCREENSHOT"):  # the README's picture: SPECDECODE_SCREENSHOT=docs/page.png
-        shutil.copy(shot, os.environ["SPECDECODE_SCREENSHOT"])
     browser.find_element(By.ID, "tab-costs").click()  # a fixed K: the view says why there is no curve
     _wait(browser, lambda d: "fixed K" in d.find_element(By.ID, "costtext").text, 30)
 
