@@ -95,7 +95,7 @@ def main() -> int:
     from specdecode.assembly import registry
     from specdecode.api import Decoder
     from specdecode.control.controller import Source, SpeculationController
-    from specdecode.control.measure import cached_forward_curve
+    from specdecode.control.costcache import cached_forward_curve
     from specdecode.drafters import NgramDrafter
     from specdecode.bench import load_prompts
     from specdecode.limits import AUTO_KMAX, COST_CURVE_NS

@@ -8,11 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from specdecode.control import measure
+from specdecode.control import costcache
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import AcceptanceEstimator
 from specdecode.control.costmodel import CostCurve, ObservedCurve
-from specdecode.control.measure import Measurement, cached_forward_curve, mark_stale
+from specdecode.control.costcache import cached_forward_curve, mark_stale
+from specdecode.control.measure import Measurement
 from specdecode.drafters import Draft, DrafterBase
 from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
 from specdecode.sampling import Sampler, SamplingParams
@@ -115,7 +116,7 @@ def measured(monkeypatch):
         calls.append(tuple(ns))
         return Measurement(CostCurve(tuple(ns), tuple(0.01 * n for n in ns)))
 
-    monkeypatch.setattr(measure, "measure_forward_curve", fake_measure)
+    monkeypatch.setattr(costcache, "measure_forward_curve", fake_measure)
     return calls
 
 
@@ -129,7 +130,7 @@ def test_cached_curve_is_reused(tmp_path, measured):
 def test_curve_written_under_another_key_is_measured_again(tmp_path, measured):
     t = FakeTarget()
     cached_forward_curve(t, [1, 2, 3], tmp_path)
-    path = measure.cost_cache_path(t, tmp_path)
+    path = costcache.cost_cache_path(t, tmp_path)
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "key": "another library build"}))
     cached_forward_curve(t, [1, 2, 3], tmp_path)
@@ -142,7 +143,7 @@ def test_old_or_drifted_curve_is_measured_again(tmp_path, measured):
     cached_forward_curve(t, [1, 2, 3], tmp_path, max_age_s=-1)  # expired
     assert len(measured) == 2
     mark_stale(t, tmp_path, "observed 2.0x the measured curve")
-    assert "2.0x" in json.loads(measure.cost_cache_path(t, tmp_path).read_text())["stale"]
+    assert "2.0x" in json.loads(costcache.cost_cache_path(t, tmp_path).read_text())["stale"]
     cached_forward_curve(t, [1, 2, 3], tmp_path)
     assert len(measured) == 3
     cached_forward_curve(t, [1, 2, 3], tmp_path)  # the new measurement is fresh
@@ -190,7 +191,7 @@ def scripted_costs(monkeypatch):
         asked.append(tuple(ns))
         return Measurement(CostCurve(tuple(ns), tuple(scripted_smollm_curve(n) for n in ns)))
 
-    monkeypatch.setattr(measure, "measure_forward_curve", scripted)
+    monkeypatch.setattr(costcache, "measure_forward_curve", scripted)
     costs = registry.cache_dir() / "costs"
     before = {p: p.read_bytes() for p in costs.glob("*.json")} if costs.is_dir() else {}
     for p in before:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from specdecode.control import measure
+from specdecode.control import costcache, measure
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.costmodel import CostCurve, ObservedCurve
 from specdecode.control.estimators import AcceptanceEstimator
@@ -160,7 +160,7 @@ def timed(monkeypatch):
         calls.append(tuple(ns))
         return replace(real(backend, ns, timer=backend.clock, **kw), others_cpu=timed.others)
 
-    monkeypatch.setattr(measure, "measure_forward_curve", fake)
+    monkeypatch.setattr(costcache, "measure_forward_curve", fake)
     timed.calls, timed.others = calls, 0.0
     return timed
 
@@ -174,42 +174,42 @@ LINEAR = CostCurve(COST_CURVE_NS, tuple(LINEAR_MS[n] / 1000 for n in COST_CURVE_
 
 
 def _cache(target, tmp_path, curve, **fields):
-    path = measure.cost_cache_path(target, tmp_path)
+    path = costcache.cost_cache_path(target, tmp_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**curve.to_dict(), "key": measure.machine_key(target), "measured_at": time.time(),
+    path.write_text(json.dumps({**curve.to_dict(), "key": costcache.machine_key(target), "measured_at": time.time(),
                                 "others_cpu": 0.0, **fields}))
     return path
 
 
 def test_a_poisoned_cache_is_measured_again(tmp_path, timed):
     target = ClockedTarget(IDLE)
-    path = measure.cost_cache_path(target, tmp_path)
+    path = costcache.cost_cache_path(target, tmp_path)
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({**POISONED.to_dict(), "key": measure.machine_key(target),
+    path.write_text(json.dumps({**POISONED.to_dict(), "key": costcache.machine_key(target),
                                 "measured_at": time.time()}))
-    m = measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    m = costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
     assert len(timed.calls) == 1 and implausible_points(m.curve.ns, m.curve.seconds) == []
-    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path) == m and len(timed.calls) == 1
+    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path) == m and len(timed.calls) == 1
 
 
 def test_a_live_cache_that_an_idle_check_contradicts_is_measured_again(tmp_path, timed):
     target = ClockedTarget(IDLE)
     path = _cache(target, tmp_path, LINEAR, source="live")
-    m = measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    m = costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
     assert timed.calls == [(1, 16, 33), tuple(COST_CURVE_NS)]  # the check, then the whole curve
     assert m.curve(33) == pytest.approx(IDLE(33)) and m.curve(16) == pytest.approx(IDLE(16))
     assert json.loads(path.read_text())["source"] == "measured"
-    measure.cached_measurement(target, COST_CURVE_NS, tmp_path)  # an idle measurement is trusted as it is
+    costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)  # an idle measurement is trusted as it is
     assert len(timed.calls) == 2
 
 
 def test_a_live_cache_that_the_check_confirms_is_kept_and_trusted_from_then_on(tmp_path, timed):
     target = ClockedTarget(IDLE)
     path = _cache(target, tmp_path, IDLE, source="live")
-    m = measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    m = costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
     assert timed.calls == [(1, 16, 33)] and m.curve == IDLE
     assert "checked_at" in json.loads(path.read_text())
-    measure.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
     assert len(timed.calls) == 1
 
 
@@ -217,17 +217,17 @@ def test_a_busy_check_keeps_the_cache_and_checks_again_next_time(tmp_path, timed
     target = ClockedTarget(IDLE)
     path = _cache(target, tmp_path, LINEAR, others_cpu=0.4)  # measured while the machine was busy
     timed.others = 0.5  # and busy now
-    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR
+    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR
     assert "checked_at" not in json.loads(path.read_text())
     timed.others = 0.0
-    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path).curve(33) == pytest.approx(IDLE(33))
+    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path).curve(33) == pytest.approx(IDLE(33))
     assert timed.calls == [(1, 16, 33), (1, 16, 33), tuple(COST_CURVE_NS)]
 
 
 def test_an_idle_measured_cache_is_not_checked(tmp_path, timed):
     target = ClockedTarget(IDLE)
     _cache(target, tmp_path, LINEAR, source="measured")
-    assert measure.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR and timed.calls == []
+    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR and timed.calls == []
 
 
 def test_live_costs_correct_a_curve_wrong_by_10x_within_a_few_steps():
@@ -258,14 +258,14 @@ def test_the_controller_follows_live_costs_and_rewrites_the_cache(tmp_path):
     """Start from the poisoned curve; the live times (the idle curve) arrive with each step:
     within a few steps K is what the idle curve gives, and the cache holds the live curve."""
     target = ClockedTarget(IDLE)
-    path = measure.cost_cache_path(target, tmp_path)
+    path = costcache.cost_cache_path(target, tmp_path)
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({**POISONED.to_dict(), "key": measure.machine_key(target), "measured_at": 0}))
+    path.write_text(json.dumps({**POISONED.to_dict(), "key": costcache.machine_key(target), "measured_at": 0}))
 
     alpha = 0.5
     src = Source(Fixed(), 0.0, estimator=AcceptanceEstimator(prior_alpha=alpha, prior_weight=1e6))
     c = SpeculationController([src], POISONED, kmax=32, learn_costs=True,
-                              on_drift=lambda why, live: measure.rewrite_from_live(target, tmp_path, live, why))
+                              on_drift=lambda why, live: costcache.rewrite_from_live(target, tmp_path, live, why))
     ideal = SpeculationController([Source(Fixed(), 0.0, estimator=AcceptanceEstimator(alpha, 1e6))], IDLE, kmax=32)
     want = ideal.plan(ideal.sources[0], 32)[0]
     ks = []

@@ -364,7 +364,7 @@ def test_greedy_draft_on_the_device_equals_the_host_loop(models_, tokenizer, sub
 def test_cost_cache_key_tells_dtypes_apart(models_, tokenizer):
     import copy
 
-    from specdecode.control.measure import machine_key
+    from specdecode.control.costcache import machine_key
 
     f32 = backend(models_["llama"], tokenizer, "m")
     bf16 = backend(copy.deepcopy(models_["llama"]).to(torch.bfloat16), tokenizer, "m")

@@ -18,7 +18,7 @@ from ..backends.llama_cpp import LlamaCppBackend
 from ..trees.llama_forward import TREE_BRANCHES
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
-from ..control.measure import cached_forward_curve, cached_measurement, rewrite_from_live
+from ..control.costcache import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..drafters import Drafter, NoDrafter
 from ..drafters.kinds import Choice, DraftRequest, check_draft_options, kind_of, resolve
 from ..trees.drafting import set_tree_options

@@ -31,7 +31,7 @@ from ..assembly.loading import make_speculation
 from ..api import Decoder
 from ..backends.base import Backend
 from ..control.costmodel import CostCurve
-from ..control.measure import cached_forward_curve
+from ..control.costcache import cached_forward_curve
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError

@@ -30,7 +30,7 @@ import numpy as np
 from ..backends.base import Backend
 from ..files import write_text_atomic
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
-from .measure import COST_CACHE_MAX_AGE_S, machine_key
+from .costcache import COST_CACHE_MAX_AGE_S, machine_key
 
 # Block sizes tested, up to a whole verification (K = 32 plus the last committed token).
 # Every size up to 8 (llama.cpp's kernels change at 4 and 8 rows), then the bends further up.

@@ -1,0 +1,169 @@
+"""The per-machine cache of the target's measured T(n) (:mod:`.measure`): where it lives, what
+its key depends on, when it is measured again (another key, other sizes, age, marked stale,
+implausible, or a check at load that contradicts a curve that may describe a busy machine),
+and its rewrite from live step times.
+
+Units: seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..backends.base import Backend
+from ..files import write_text_atomic
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS
+from .costmodel import CostCurve
+from .measure import Measurement, implausible_points, measure_forward_curve, repair
+
+
+def machine_key(backend: Backend) -> str:
+    """What a measured curve depends on: model file, backend (with its ``cost_key``: dtype and
+    weights for torch), threads, device, CPU, library version."""
+    parts = [type(backend).__name__, backend.name, platform.machine(), platform.processor()]
+    path = backend.path
+    if path is not None and Path(path).exists():
+        st = Path(path).stat()
+        parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    parts += [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
+    if backend.n_seq > 1:  # a cache of several sequences (llama.cpp's unified KV) times differently
+        parts.append(f"n_seq={backend.n_seq}")
+    try:
+        with open("/proc/cpuinfo") as f:
+            parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
+    except OSError:
+        pass
+    try:
+        import llama_cpp
+
+        parts.append(llama_cpp.__version__)
+    except ImportError:
+        pass
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+# A cached curve older than this is measured again (seconds): a machine's load, its
+# library builds and its thermal state change over weeks.
+COST_CACHE_MAX_AGE_S = 14 * 24 * 3600
+# A cached curve that may describe a busy machine is checked at load (check_curve): sizes timed
+# again in this many rounds must lie within these ratios of the cached curve, or the curve is
+# measured again. Seen here (AMD EPYC Zen 4, default target): a cache rewritten from live steps
+# while the test suite ran beside a server held T(16) = 696 ms and T(33) = 1398 ms (T(n) = n T(1)
+# from n = 8 on), where the idle machine measures 446 ms and 760 ms; every later start planned
+# with it, K stayed at 5 and aider's whole-file edits decoded at 1.25x plain (1.42x once measured
+# again: benchmarks/results/aider/zen4_six_edits.txt).
+CHECK_ROUNDS = 3
+CHECK_BOUNDS = (0.75, 1.33)
+
+
+def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
+    """Where the measured curve of this backend on this machine is cached."""
+    return cache_dir / "costs" / f"{machine_key(backend)}.json"
+
+
+def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
+                       max_age_s: float = COST_CACHE_MAX_AGE_S) -> Measurement:
+    """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON
+    cache. The curve is measured again when the cache was written under another key (a
+    different model file, library build, thread count or CPU), for other ns, more than
+    ``max_age_s`` seconds ago, was marked stale by :func:`mark_stale`, or is implausible (a
+    curve cached by an older version, or edited by hand).
+
+    A cached curve that may describe a busy machine (:func:`_suspect`: measured while other
+    processes used the CPUs, or rewritten from live step times, which a busy machine sets) is
+    checked first (:func:`check_curve`): when an idle check contradicts it, it is measured
+    again; when the check agrees it is marked checked and trusted from then on."""
+    key = machine_key(backend)
+    path = cost_cache_path(backend, cache_dir)
+    if not refresh and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            m = Measurement.from_dict(data)
+            fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
+            if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
+                    and not implausible_points(m.curve.ns, m.curve.seconds)):
+                if not _suspect(data):
+                    return m
+                verdict = check_curve(backend, m.curve)
+                if verdict == "agrees":
+                    write_text_atomic(path, json.dumps({**data, "checked_at": time.time()}))
+                if verdict != "contradicts":  # agrees, or the machine is busy now: no better curve to get
+                    return m
+        except (ValueError, KeyError, TypeError):
+            pass
+    m = measure_forward_curve(backend, ns)
+    if tuple(m.curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
+        write_text_atomic(path, json.dumps({**m.to_dict(), "model": backend.name, "key": key,
+                                            "measured_at": time.time(), "source": "measured"}))
+    return m
+
+
+def _suspect(data: dict) -> bool:
+    """Whether a cached curve (its JSON) may describe a busy machine and has not been checked
+    since it was written: measured while the machine looked busy, or rewritten from live
+    step times (:func:`rewrite_from_live`)."""
+    try:
+        busy = Measurement.from_dict(data).busy
+    except (ValueError, KeyError, TypeError):
+        return True
+    unchecked = float(data.get("checked_at", 0)) < float(data.get("measured_at", 0))
+    return unchecked and (busy or data.get("source") == "live")
+
+
+def check_curve(backend: Backend, curve: CostCurve, rounds: int = CHECK_ROUNDS) -> str:
+    """Time T(n) again at three of the curve's sizes (the smallest, 16 or the nearest, and
+    the largest one sequence verifies) in ``rounds`` interleaved rounds, about a tenth of a
+    full measurement, and compare. Returns "agrees" (every size within CHECK_BOUNDS of the
+    curve), "contradicts" (one is not) or "busy" (the machine looked busy during the check:
+    it cannot judge the curve)."""
+    top = max([n for n in curve.ns if n <= MAX_NUM_SPECULATIVE_TOKENS + 1] or [curve.ns[0]])
+    mid = min(curve.ns, key=lambda n: abs(n - 16))
+    sizes = sorted({curve.ns[0], min(mid, top), top})
+    m = measure_forward_curve(backend, sizes, rounds=rounds)
+    if m.busy:
+        return "busy"
+    lo, hi = CHECK_BOUNDS
+    ok = all(lo <= s / curve(n) <= hi for n, s in zip(m.curve.ns, m.curve.seconds))
+    return "agrees" if ok else "contradicts"
+
+
+def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
+                         max_age_s: float = COST_CACHE_MAX_AGE_S) -> CostCurve:
+    """The curve of :func:`cached_measurement`."""
+    return cached_measurement(backend, ns, cache_dir, refresh, max_age_s).curve
+
+
+def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
+    """Flag the cached curve of this backend so that the next :func:`cached_forward_curve`
+    measures it again (``why`` is kept in the file for whoever reads it)."""
+    path = cost_cache_path(backend, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    write_text_atomic(path, json.dumps({**data, "stale": why}))
+
+
+def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve, why: str) -> None:
+    """Replace the cached curve of this backend by ``curve`` (the live step times, folded into
+    the measured points; repaired where implausible); mark the cache stale instead when it
+    cannot be made plausible. ``why`` is kept
+    in the file."""
+    path = cost_cache_path(backend, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    bad = implausible_points(curve.ns, curve.seconds)
+    if bad:
+        curve = CostCurve(curve.ns, tuple(repair(curve.ns, curve.seconds, bad)))
+    if tuple(data.get("ns", ())) != tuple(curve.ns) or implausible_points(curve.ns, curve.seconds):
+        write_text_atomic(path, json.dumps({**data, "stale": why}))
+        return
+    write_text_atomic(path, json.dumps({**data, **curve.to_dict(), "measured_at": time.time(), "source": "live",
+                                        "rewritten": why}))
