@@ -64,7 +64,7 @@ def test_a_history_taken_and_put_back_forgets_what_came_after():
     request(d, p1 + out1, len(p1))
     before = d.history_state()
     request(d, p2 + out2, len(p2))
-    assert history_keepers(d) == [d] and len(d.history()) == 2
+    assert history_keepers([d]) == [d] and len(d.history()) == 2
     with history_as([d], [before]):
         assert d.history() == [p1 + out1] and d.stored_tokens == len(p1 + out1)
         d.start(p2, SAMPLER)

@@ -18,7 +18,6 @@ configuration's draft: the speedup a perfectly informed controller would reach.
 
 from __future__ import annotations
 
-
 import dataclasses
 import resource
 import sys
@@ -188,7 +187,7 @@ def _add_oracle(runs: list[tuple[list[int], list[int], list[dict], list[int] | N
     for ids, out, rows, prediction in runs:
         res: dict[tuple[str, bool], OracleResult] = {}
         for d, ds in oracle_drafters.items():  # as the engines run: +prediction from the history before the first
-            learners = [x for x in ds if hasattr(x, "history_state")]
+            learners = history_keepers(ds) if prediction else []
             before = [x.history_state() for x in learners]
             res[d, False] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS)
             if prediction:
@@ -260,10 +259,10 @@ def _drafts_by_row_name(config: BenchConfig) -> dict[str, str]:
             for w in ("", WITH_PREDICTION, WITH_TREES, WITH_TREES + WITH_PREDICTION)}
 
 
-def history_keepers(drafter) -> list:
-    """The drafters of ``drafter`` (itself, or a controller's members) that keep a history of
-    earlier requests (suffix drafting: ``history_state``)."""
-    return [d for d in [drafter, *drafter.members()] if hasattr(d, "history_state")]
+def history_keepers(drafters: list) -> list:
+    """Among ``drafters`` and their members (a controller's sources), those that keep a
+    history of earlier requests (suffix drafting: ``history_state``)."""
+    return [m for d in drafters for m in [d, *d.members()] if hasattr(m, "history_state")]
 
 
 @contextmanager
@@ -305,11 +304,12 @@ def _time_prompt(p: BenchPrompt, ids: list[int], i: int, plain_engine: Speculati
         out = {}
         for name, eng in engines.items():
             nodes = trees if name.endswith(WITH_TREES) else 0 if trees else None  # None: the engine's default
-            learners = history_keepers(eng.drafter)
+            again = prediction and follows_prediction(eng.drafter)
+            learners = history_keepers([eng.drafter]) if again else []
             before = [d.history_state() for d in learners]
             out[name] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens, grammar=p.grammar,
                                      max_tree_nodes=nodes)
-            if prediction and follows_prediction(eng.drafter):
+            if again:
                 with history_as(learners, before):  # not the answer the run above just stored
                     out[name + WITH_PREDICTION] = eng.generate(ids, sampling=params, max_tokens=p.max_tokens,
                                                                grammar=p.grammar, prediction=prediction)
