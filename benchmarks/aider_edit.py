@@ -70,11 +70,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, log: Path, draft: str | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specdecode", "serve", "--target", args.target, "--port", str(port),
-           "--ctx-size", str(args.ctx_size)]
-    if draft:
-        cmd += ["--draft", draft]
+def serve(options: list[str], port: int, log: Path) -> subprocess.Popen:
+    """Start ``specdecode serve --port PORT OPTIONS`` (output to ``log``) and return it once
+    /health answers; exits with its log if it stops or does not answer within 15 minutes."""
+    cmd = [sys.executable, "-m", "specdecode", "serve", "--port", str(port), *options]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while True:
@@ -91,31 +90,36 @@ def start_server(args, port: int, log: Path, draft: str | None) -> subprocess.Po
         time.sleep(0.5)
 
 
+def start_server(args, port: int, log: Path, draft: str | None) -> subprocess.Popen:
+    return serve(["--target", args.target, "--ctx-size", str(args.ctx_size)] + (["--draft", draft] if draft else []),
+                 port, log)
+
+
 def _total(text: str, name: str) -> float:
     """The sum of one /metrics series over its labels."""
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
+def _delta(before: str, after: str, name: str) -> float:
+    """How much one /metrics series grew between two reads."""
+    return _total(after, "specdecode:" + name) - _total(before, "specdecode:" + name)
+
+
 def server_work(before: str, after: str) -> dict:
     """What the server did between two /metrics reads: requests, prompt and generated tokens,
     and the seconds requests spent in the server (their end-to-end latencies summed)."""
-    def delta(name: str) -> float:
-        return _total(after, name) - _total(before, name)
-    return {"requests": int(delta("specdecode:e2e_request_latency_seconds_count")),
-            "prompt_tokens": int(delta("specdecode:prompt_tokens_total")),
-            "generated_tokens": int(delta("specdecode:generation_tokens_total")),
-            "model_s": delta("specdecode:e2e_request_latency_seconds_sum")}
+    return {"requests": int(_delta(before, after, "e2e_request_latency_seconds_count")),
+            "prompt_tokens": int(_delta(before, after, "prompt_tokens_total")),
+            "generated_tokens": int(_delta(before, after, "generation_tokens_total")),
+            "model_s": _delta(before, after, "e2e_request_latency_seconds_sum")}
 
 
 def decode_rate(before: str, after: str) -> float | None:
     """Generated tokens per second after the first token, between two /metrics reads."""
-    total = _total
-    tokens = total(after, "specdecode:generation_tokens_total") - total(before, "specdecode:generation_tokens_total")
-    seconds = (total(after, "specdecode:e2e_request_latency_seconds_sum")
-               - total(before, "specdecode:e2e_request_latency_seconds_sum")
-               - total(after, "specdecode:time_to_first_token_seconds_sum")
-               + total(before, "specdecode:time_to_first_token_seconds_sum"))
+    tokens = _delta(before, after, "generation_tokens_total")
+    seconds = (_delta(before, after, "e2e_request_latency_seconds_sum")
+               - _delta(before, after, "time_to_first_token_seconds_sum"))
     return tokens / seconds if tokens and seconds > 0 else None
 
 

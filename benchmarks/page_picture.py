@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aider_edit import SOURCE, cpu_name, free_port  # noqa: E402
+from aider_edit import SOURCE, cpu_name, free_port, serve  # noqa: E402
 
 CODE = SOURCE.read_text().split("```python\n", 1)[1].rsplit("```", 1)[0]
 PROMPT = ("Rename the parameter `min_total` to `threshold` everywhere in this function. Change nothing else and "
@@ -49,22 +48,9 @@ def main() -> None:
 
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="page-picture-")) / "serve.log"
-    server = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--port", str(port)],
-                              stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    server = serve([], port, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if server.poll() is not None:
-                sys.exit("the server exited:\n" + log.read_text())
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit("the server did not start:\n" + log.read_text())
-            time.sleep(0.5)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         httpx.post(url + "/v1/chat/completions", timeout=900,  # the first request's one-off work, untimed
                    json={"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hello."}]})
