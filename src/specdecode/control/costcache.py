@@ -87,7 +87,7 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
             fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
             if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
                     and not implausible_points(m.curve.ns, m.curve.seconds)):
-                if not _suspect(data):
+                if not _suspect(data, m.busy):
                     return m
                 verdict = check_curve(backend, m.curve)
                 if verdict == "agrees":
@@ -103,14 +103,10 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
     return m
 
 
-def _suspect(data: dict) -> bool:
-    """Whether a cached curve (its JSON) may describe a busy machine and has not been checked
-    since it was written: measured while the machine looked busy, or rewritten from live
-    step times (:func:`rewrite_from_live`)."""
-    try:
-        busy = Measurement.from_dict(data).busy
-    except (ValueError, KeyError, TypeError):
-        return True
+def _suspect(data: dict, busy: bool) -> bool:
+    """Whether a cached curve (its JSON; ``busy``: the machine looked busy while it was
+    measured) may describe a busy machine and has not been checked since it was written:
+    measured busy, or rewritten from live step times (:func:`rewrite_from_live`)."""
     unchecked = float(data.get("checked_at", 0)) < float(data.get("measured_at", 0))
     return unchecked and (busy or data.get("source") == "live")
 
