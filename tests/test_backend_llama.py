@@ -67,3 +67,61 @@ def test_corrupt_file_is_named(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 100)
     with pytest.raises(ModelFileError, match="broken.gguf"):
         LlamaCppBackend(bad)
+
+
+# --- flash attention: off by default, SPECDECODE_LLAMA_FLASH_ATTN chooses ---------------------
+
+def test_flash_attention_choice_reads_the_environment(monkeypatch):
+    from specdecode.backends.llama_lib import flash_attention
+    from specdecode.errors import SpecDecodeError
+
+    monkeypatch.delenv("SPECDECODE_LLAMA_FLASH_ATTN", raising=False)
+    assert flash_attention() == "off"
+    for value, mode in (("on", "on"), (" AUTO ", "auto"), ("off", "off")):
+        monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", value)
+        assert flash_attention() == mode
+    monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", "maybe")
+    with pytest.raises(SpecDecodeError, match=r"SPECDECODE_LLAMA_FLASH_ATTN='maybe'.*off, on, auto"):
+        flash_attention()
+
+
+def test_the_context_is_created_with_the_chosen_flash_attention(smollm_path, monkeypatch):
+    """The setting reaches llama.cpp's context parameters (llama_flash_attn_type: off 0, on 1,
+    auto -1), and the cost curve's key tells the settings apart: a curve measured with one is
+    never read for the other."""
+    import llama_cpp
+
+    from specdecode.control.costcache import machine_key
+
+    seen = []
+    create = llama_cpp.llama_init_from_model
+
+    def spy(model, cparams):
+        seen.append(cparams.flash_attn_type)
+        return create(model, cparams)
+
+    monkeypatch.setattr(llama_cpp, "llama_init_from_model", spy)
+    keys = {}
+    for mode, value in (("off", 0), ("on", 1), ("auto", -1)):
+        monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", mode)
+        b = LlamaCppBackend(smollm_path, n_ctx=256)
+        try:
+            assert seen[-1] == value and b.flash_attention == mode
+            keys[mode] = machine_key(b)
+            assert b.forward(b.tokenize("Hello there"), [1]).shape == (1, b.n_vocab)
+        finally:
+            b.close()
+    assert len(set(keys.values())) == 3
+
+
+def test_a_bad_flash_attention_value_loads_nothing(smollm_path, monkeypatch):
+    import llama_cpp
+
+    from specdecode.errors import SpecDecodeError
+
+    loads = []
+    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", lambda *a: loads.append(a))
+    monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", "fast")
+    with pytest.raises(SpecDecodeError, match="'fast' is not a choice"):
+        LlamaCppBackend(smollm_path, n_ctx=256)
+    assert loads == []

@@ -18,7 +18,7 @@ from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 from ..trees.llama_forward import forward_tree, keep_rows
-from .llama_lib import default_threads, extra_buffers_are_safe, init_llama, last_error
+from .llama_lib import FLASH_ATTENTION_MODES, default_threads, extra_buffers_are_safe, flash_attention, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -99,13 +99,15 @@ class LlamaCppBackend(BackendBase):
         if kv_per_sequence and tree_branches:
             raise SpecDecodeError("a KV cache per sequence (strict mode) verifies chains only: trees of drafts need "
                                   "branch sequences in one shared cache; drop --max-tree-nodes", param="max_tree_nodes")
+        self._flash_attention = flash_attention()  # off unless asked: llama_lib.flash_attention says why
         self._model = None
         self._ctx = None
         self._batch = None
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        mparams.use_extra_bufts = extra_buffers_are_safe()
+        self._extra_bufts = extra_buffers_are_safe()
+        mparams.use_extra_bufts = self._extra_bufts
         model = llama_cpp.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
         if not model:
             raise ModelFileError(
@@ -133,6 +135,7 @@ class LlamaCppBackend(BackendBase):
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
+        cparams.flash_attn_type = FLASH_ATTENTION_MODES[self._flash_attention]
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -151,6 +154,17 @@ class LlamaCppBackend(BackendBase):
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
+
+    @property
+    def cost_key(self) -> str:
+        """What besides the file and threads a measured latency depends on: the attention kernel
+        (:func:`~specdecode.backends.llama_lib.flash_attention`) and whether weights are repacked."""
+        return f"flash_attn={self._flash_attention}|extra_bufts={self._extra_bufts}"
+
+    @property
+    def flash_attention(self) -> str:
+        """"off", "on" or "auto": how this context computes attention (:func:`.llama_lib.flash_attention`)."""
+        return self._flash_attention
 
     # --- vocabulary ---------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """The llama.cpp library as a process sees it, apart from any one model: loading it once with
 its log routed (:func:`init_llama`, :func:`last_error`), which of its CPU buffer types are
-safe on this build (:func:`extra_buffers_are_safe`), and how many threads a forward should
-use (:func:`default_threads`)."""
+safe on this build (:func:`extra_buffers_are_safe`), whether attention runs as flash attention
+(:func:`flash_attention`), and how many threads a forward should use (:func:`default_threads`)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,32 @@ def extra_buffers_are_safe() -> bool:
             fn.restype = ctypes.c_int
             return fn() == 0
     return False
+
+
+FLASH_ATTENTION_ENV = "SPECDECODE_LLAMA_FLASH_ATTN"
+FLASH_ATTENTION_MODES = {"off": 0, "on": 1, "auto": -1}  # llama.cpp's llama_flash_attn_type
+
+
+def flash_attention() -> str:
+    """Whether llama.cpp computes attention as flash attention: "off" (the default), "on"
+    or "auto" (llama.cpp's own choice, which is on for the CPU), from SPECDECODE_LLAMA_FLASH_ATTN.
+
+    Off because llama.cpp's CPU flash-attention kernel goes through the cache once per query
+    row, while the plain path multiplies a block's rows by the cache together: a verification
+    of K + 1 rows then costs much more with it as the context grows. Measured on an AMD EPYC
+    Zen 4 (2 vCPU, default target Q4_K_M, ``python benchmarks/flash_attention.py``), T(33)
+    after 2,500 tokens was 0.91-1.01 s with it and 0.58-0.59 s without, T(1) 50-53 ms and
+    43-48 ms; after 64 tokens they were within noise of each other.
+
+    Raises SpecDecodeError for any other value, naming it.
+    """
+    value = os.environ.get(FLASH_ATTENTION_ENV, "off").strip().lower()
+    if value not in FLASH_ATTENTION_MODES:
+        from ..errors import SpecDecodeError
+
+        raise SpecDecodeError(f"{FLASH_ATTENTION_ENV}={os.environ[FLASH_ATTENTION_ENV]!r} is not a choice: expected "
+                              f"{', '.join(FLASH_ATTENTION_MODES)}")
+    return value
 
 
 def default_threads() -> int:
