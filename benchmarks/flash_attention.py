@@ -1,4 +1,5 @@
-"""llama.cpp's flash attention on the CPU, off (specdecode's default) against on, side by side.
+"""llama.cpp's flash attention on the CPU: "auto" (the default: llama.cpp turns it on) against
+"off" (``SPECDECODE_LLAMA_FLASH_ATTN=off``), side by side.
 
 1. The verification cost curve: T(n) of one forward of n tokens after a context of 64, 1,000
    and 2,500 tokens (``measure_forward_curve``, 3 interleaved rounds each), for both settings
@@ -7,7 +8,9 @@
    prompt run with the default drafter and plain (the drafter off), the order rotating prompt by
    prompt. Prints decode tokens/s, each setting's speedup over its own plain decoding, and
    whether the two settings' greedy answers agree (they may differ at a near-tie: the kernels
-   round differently; each is exact against its own plain decoding, which the suite tests).
+   round differently).
+3. Batch invariance: each setting's measured invariant block (``measure_invariant_block``), the
+   most tokens a verification may hold in strict mode and for seeded sampling.
 
     python benchmarks/flash_attention.py --categories edit_whole,edit_search_replace
 """
@@ -19,15 +22,17 @@ import os
 import sys
 from pathlib import Path
 
+from specdecode.assembly import registry
 from specdecode.api import Decoder
 from specdecode.backends.llama_lib import FLASH_ATTENTION_ENV
 from specdecode.bench.suite import load_prompts, select_prompts
+from specdecode.control.invariance import measure_invariant_block
 from specdecode.control.measure import measure_forward_curve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strict_cost import cpu_name  # noqa: E402
 
-MODES = ("off", "on")
+MODES = ("auto", "off")
 SIZES = (1, 2, 3, 4, 5, 8, 16, 32, 33)
 
 
@@ -65,16 +70,16 @@ def decoding(decoders: dict, prompts) -> list[str]:
             print(f"{p.id} flash attention {mode}{' plain' if plain else ''}: {r.stats.completion_tokens} tokens, "
                   f"{r.stats.decode_tokens_per_s:.1f} tok/s", flush=True)
     rate = {r: n / s for r, (n, s) in total.items()}
-    same = sum(answers["off", False, i] == answers["on", False, i] for i in range(len(prompts)))
+    same = sum(answers["off", False, i] == answers["auto", False, i] for i in range(len(prompts)))
     return ["| flash attention | default tok/s | plain tok/s | speedup over its plain |", "|---|---|---|---|"] + [
         f"| {m} | {rate[m, False]:.1f} | {rate[m, True]:.1f} | {rate[m, False] / rate[m, True]:.2f}x |" for m in MODES
-    ] + [f"", f"off against on: default {rate['off', False] / rate['on', False]:.2f}x, plain "
-         f"{rate['off', True] / rate['on', True]:.2f}x; the same greedy answer in {same} of {len(prompts)} prompts"]
+    ] + ["", f"off against auto: default {rate['off', False] / rate['auto', False]:.2f}x, plain "
+         f"{rate['off', True] / rate['auto', True]:.2f}x; the same greedy answer in {same} of {len(prompts)} prompts"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=None, help="target model (default: specdecode's default target)")
+    ap.add_argument("--target", default=registry.DEFAULT_TARGET, help="target model (a name or a .gguf path)")
     ap.add_argument("--draft", default="auto")
     ap.add_argument("--ctx-size", type=int, default=4096)
     ap.add_argument("--contexts", default="64,1000,2500", help="comma-separated context lengths for the curves")
@@ -84,9 +89,11 @@ def main() -> None:
     args = ap.parse_args()
     decoders = {mode: load(mode, args) for mode in MODES}
     try:
-        print(f"# flash attention off against on: {cpu_name()}, {os.cpu_count()} CPUs, "
+        print(f"# flash attention off against auto: {cpu_name()}, {os.cpu_count()} CPUs, "
               f"target {decoders['off'].target.name}\n", flush=True)
         out = curves(decoders, [int(c) for c in args.contexts.split(",")])
+        out += [""] + [f"invariant block, flash attention {m}: {measure_invariant_block(decoders[m].target)}"
+                       for m in MODES]
         if not args.skip_decoding:
             prompts = select_prompts(load_prompts(None), args.categories.split(","), args.per_category)
             out += [""] + decoding(decoders, prompts)

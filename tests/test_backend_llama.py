@@ -69,19 +69,19 @@ def test_corrupt_file_is_named(tmp_path):
         LlamaCppBackend(bad)
 
 
-# --- flash attention: off by default, SPECDECODE_LLAMA_FLASH_ATTN chooses ---------------------
+# --- flash attention: llama.cpp's choice by default, SPECDECODE_LLAMA_FLASH_ATTN chooses -----
 
 def test_flash_attention_choice_reads_the_environment(monkeypatch):
     from specdecode.backends.llama_lib import flash_attention
     from specdecode.errors import SpecDecodeError
 
     monkeypatch.delenv("SPECDECODE_LLAMA_FLASH_ATTN", raising=False)
-    assert flash_attention() == "off"
-    for value, mode in (("on", "on"), (" AUTO ", "auto"), ("off", "off")):
+    assert flash_attention() == "auto"
+    for value, mode in (("on", "on"), (" OFF ", "off"), ("auto", "auto")):
         monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", value)
         assert flash_attention() == mode
     monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", "maybe")
-    with pytest.raises(SpecDecodeError, match=r"SPECDECODE_LLAMA_FLASH_ATTN='maybe'.*off, on, auto"):
+    with pytest.raises(SpecDecodeError, match=r"SPECDECODE_LLAMA_FLASH_ATTN='maybe'.*auto, on, off"):
         flash_attention()
 
 

@@ -99,7 +99,7 @@ class LlamaCppBackend(BackendBase):
         if kv_per_sequence and tree_branches:
             raise SpecDecodeError("a KV cache per sequence (strict mode) verifies chains only: trees of drafts need "
                                   "branch sequences in one shared cache; drop --max-tree-nodes", param="max_tree_nodes")
-        self._flash_attention = flash_attention()  # off unless asked: llama_lib.flash_attention says why
+        self._flash_attention = flash_attention()  # llama.cpp's choice unless asked: llama_lib.flash_attention
         self._model = None
         self._ctx = None
         self._batch = None
@@ -123,19 +123,8 @@ class LlamaCppBackend(BackendBase):
         self._n_batch = max(1, min(n_batch, n_ctx))
         self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
 
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx * n_seq
-        cparams.n_batch = self._n_batch
-        cparams.n_ubatch = self._n_batch
-        cparams.n_seq_max = n_seq + tree_branches
-        cparams.kv_unified = not kv_per_sequence
         self.kv_shared = not kv_per_sequence and n_seq > 1  # (a tree's branch cells are cleared after its step)
-        # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
-        cparams.n_outputs_max = self._rows_max
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = n_threads
-        cparams.no_perf = True
-        cparams.flash_attn_type = FLASH_ATTENTION_MODES[self._flash_attention]
+        cparams = self._context_params(n_ctx, n_seq, tree_branches, kv_per_sequence, n_threads)
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -155,6 +144,24 @@ class LlamaCppBackend(BackendBase):
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
 
+    def _context_params(self, n_ctx: int, n_seq: int, tree_branches: int, kv_per_sequence: bool, n_threads: int):
+        """llama.cpp's context parameters: n_seq sequences of n_ctx cells (one unified buffer
+        unless kv_per_sequence), tree branch sequences, the batch and output-row sizes, threads
+        and the attention kernel."""
+        cparams = self._lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx * n_seq
+        cparams.n_batch = self._n_batch
+        cparams.n_ubatch = self._n_batch
+        cparams.n_seq_max = n_seq + tree_branches
+        cparams.kv_unified = not kv_per_sequence
+        # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
+        cparams.n_outputs_max = self._rows_max
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        cparams.flash_attn_type = FLASH_ATTENTION_MODES[self._flash_attention]
+        return cparams
+
     @property
     def cost_key(self) -> str:
         """What besides the file and threads a measured latency depends on: the attention kernel
@@ -163,7 +170,7 @@ class LlamaCppBackend(BackendBase):
 
     @property
     def flash_attention(self) -> str:
-        """"off", "on" or "auto": how this context computes attention (:func:`.llama_lib.flash_attention`)."""
+        """"auto", "on" or "off": how this context computes attention (:func:`.llama_lib.flash_attention`)."""
         return self._flash_attention
 
     # --- vocabulary ---------------------------------------------------------------

@@ -74,23 +74,26 @@ def extra_buffers_are_safe() -> bool:
 
 
 FLASH_ATTENTION_ENV = "SPECDECODE_LLAMA_FLASH_ATTN"
-FLASH_ATTENTION_MODES = {"off": 0, "on": 1, "auto": -1}  # llama.cpp's llama_flash_attn_type
+FLASH_ATTENTION_MODES = {"auto": -1, "on": 1, "off": 0}  # llama.cpp's llama_flash_attn_type
 
 
 def flash_attention() -> str:
-    """Whether llama.cpp computes attention as flash attention: "off" (the default), "on"
-    or "auto" (llama.cpp's own choice, which is on for the CPU), from SPECDECODE_LLAMA_FLASH_ATTN.
+    """How llama.cpp computes attention: "auto" (the default: llama.cpp's own choice, flash
+    attention on the CPU), "on" or "off", from SPECDECODE_LLAMA_FLASH_ATTN.
 
-    Off because llama.cpp's CPU flash-attention kernel goes through the cache once per query
-    row, while the plain path multiplies a block's rows by the cache together: a verification
-    of K + 1 rows then costs much more with it as the context grows. Measured on an AMD EPYC
-    Zen 4 (2 vCPU, default target Q4_K_M, ``python benchmarks/flash_attention.py``), T(33)
-    after 2,500 tokens was 0.91-1.01 s with it and 0.58-0.59 s without, T(1) 50-53 ms and
-    43-48 ms; after 64 tokens they were within noise of each other.
+    "off" makes verification much cheaper at long contexts: llama.cpp's CPU flash-attention
+    kernel goes through the KV cache once per query row, while the plain path multiplies a
+    block's rows by the cache together. Measured on an AMD EPYC Zen 4 (2 vCPU, default target
+    Q4_K_M, ``python benchmarks/flash_attention.py``): T(33) after 2,500 tokens 0.62-0.63 s
+    without it against 0.92-1.04 s with it, T(1) 43-44 ms against 47-48 ms; after 64 tokens
+    within noise. But without it no block of two or more rows has bitwise the logits of
+    one-token steps (the measured invariant block falls from 3 to 1 on the default target, from
+    33 to 1 on smollm2), so strict mode verifies one token a forward and seeded sampling under
+    speculation no longer gives plain decoding's text. Hence the default keeps it.
 
     Raises SpecDecodeError for any other value, naming it.
     """
-    value = os.environ.get(FLASH_ATTENTION_ENV, "off").strip().lower()
+    value = os.environ.get(FLASH_ATTENTION_ENV, "auto").strip().lower()
     if value not in FLASH_ATTENTION_MODES:
         from ..errors import SpecDecodeError
 
