@@ -18,7 +18,8 @@ from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 from ..trees.llama_forward import forward_tree, keep_rows
-from .llama_lib import FLASH_ATTENTION_MODES, default_threads, extra_buffers_are_safe, flash_attention, init_llama, last_error
+from .llama_lib import (FLASH_ATTENTION_MODES, default_threads, extra_buffers_are_safe, flash_attention, init_llama,
+                        last_error)
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 def _silu(x: np.ndarray) -> np.ndarray:

@@ -4,15 +4,17 @@ batch (the seed promise; :attr:`specdecode.request.GenerationOptions.invariant`)
 
 Kernels choose their arithmetic by shape. On llama.cpp's CPU backend (measured on AMD EPYC
 with AVX-512, Qwen2.5-Coder-1.5B Q4_K_M, ``python benchmarks/invariance_probe.py``,
-``python benchmarks/batched_numerics.py`` and the probe below): repacked Q4_K weights run one kernel below 4 rows and another from 4 on; the
-tiled K-quant matmul starts at 8 rows (repacking off); flash attention (when on:
-:func:`specdecode.backends.llama_lib.flash_attention`) splits a lone query's KV range of >= 512
-cells among the threads and merges the parts, which no block of two or more rows does. In batch-invariant mode (:meth:`Backend.set_batch_invariant`) llama.cpp runs
-one-token forwards on one thread, and a block of up to 3 rows then has bitwise the lone
-step's logits at every context length; a block of 4 differs by up to 0.58 in the logits.
-Which sizes hold depends on the model's quantization (smollm2's Q4_1: every size tested up to
-33), the build and the CPU, so it is measured once per model and machine and cached beside
-the cost curve; never assumed.
+``python benchmarks/batched_numerics.py`` and the probe below): repacked Q4_K weights run one
+kernel below 4 rows and another from 4 on; the tiled K-quant matmul starts at 8 rows
+(repacking off); flash attention (when on: :func:`specdecode.backends.llama_lib.flash_attention`)
+splits a lone query's KV range of >= 512 cells among the threads and merges the parts, which no
+block of two or more rows does. In batch-invariant mode (:meth:`Backend.set_batch_invariant`)
+llama.cpp runs one-token forwards on one thread, and a block of up to 3 rows then has bitwise
+the lone step's logits at every context length; a block of 4 differs by up to 0.58 in the
+logits. Which sizes hold depends on the model's quantization (smollm2's Q4_1: every size tested
+up to 33), the build, the CPU and the attention kernel (without flash attention no block of 2
+holds), so it is measured once per model and machine and cached beside the cost curve; never
+assumed.
 
 Source of the idea: He and Thinking Machines Lab, "Defeating Nondeterminism in LLM
 Inference" (2025): batch-invariant kernels make a row's result independent of its batch.
