@@ -30,8 +30,8 @@ through the backend's constructor.
     python benchmarks/batched_numerics.py report   # tables.md from the JSON files
 
 Configs (CONFIGS below) are changes from the backend's defaults: flash attention auto
-(= on for CPU), n_batch = n_ubatch = 512, kv_unified on, repack per
-extra_buffers_are_safe(), threads = the cores this process may use.
+(= on for CPU), n_batch = n_ubatch = 512, kv_unified on, weights' buffers per
+specdecode.backends.llama_buffers, threads = the cores this process may use.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import numpy as np
 OUT_DIR = Path(__file__).parent / "results" / "batched_numerics"
 
 # "default" is the backend as shipped (flash attention auto = on, n_batch = n_ubatch = 512,
-# kv_unified, repack per extra_buffers_are_safe(), threads = the cores this process may use,
+# kv_unified, buffers per llama_buffers.resolve_buffers, threads = the cores this process may use,
 # 2 here). Every other config runs with 1 thread unless it says otherwise: on the 2 shared
 # cores of this machine, with other processes running, 2 ggml threads spin-wait for each
 # other and a one-token forward of smollm2 took 0.06-1.5 s instead of 0.006 s.
@@ -359,7 +359,6 @@ class Accs(dict):
 def measure(model: str, cfg_name: str, steps: int, n_prompts: int, sets: list[str], long_steps: int,
             gen_steps: int = 448) -> dict:
     import llama_cpp
-    from specdecode.backends.llama_lib import extra_buffers_are_safe
 
     cfg = CONFIGS[cfg_name]
     t0 = time.time()
@@ -381,7 +380,7 @@ def measure(model: str, cfg_name: str, steps: int, n_prompts: int, sets: list[st
     return {
         "model": model, "config": cfg_name, "settings": cfg, "steps": steps, "long_steps": long_steps,
         "gen_steps": gen_steps,
-        "repack_effective": cfg.get("repack", "1" if extra_buffers_are_safe() else "0"),
+        "repack_effective": cfg.get("repack", "0" if b.buffers == "none" else "1"),
         "llama_cpp_python": llama_cpp.__version__, "prompt_tokens": lengths,
         "seconds": round(time.time() - t0, 1), "cpu": cpu_info(), "loadavg_end": os.getloadavg(),
         "results": results, "first_flips": extra,

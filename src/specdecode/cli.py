@@ -54,6 +54,8 @@ def _stats_block(label: str, stats: dict) -> str:
     if stats.get("invariant_block"):
         lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
                      "equal one-token steps on this machine, so K and the drafter cannot change the text")
+    if stats.get("weights"):
+        lines.append(f"weights: {stats['weights']}")
     lines.append(
         f"prefill_s {stats['prefill_s']:.3f}, decode_s {stats['decode_s']:.3f} "
         f"(draft_s {stats['draft_s']:.3f}, verify_s {stats['verify_s']:.3f}), "

@@ -1,4 +1,5 @@
-"""Writing files and folders whole or not at all, and hashing them.
+"""Writing files and folders whole or not at all, hashing them, and where the cache folder is
+(:func:`cache_dir`).
 
 Every file or folder specdecode writes (the model cache and its stamps, cost curves, heads
 files, corpora, converted models) is written beside its destination under a temporary name
@@ -16,6 +17,20 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
+
+
+CACHE_ENV = "SPECDECODE_CACHE"
+
+
+def cache_dir() -> Path:
+    """The folder of specdecode's cache (models, measured cost curves, probes):
+    $SPECDECODE_CACHE, else the user's cache directory (``<user cache>/specdecode/models``)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specdecode")) / "models"
 
 
 def _umask() -> int:

@@ -29,6 +29,8 @@ class Stats:
         the drafter has nothing to say).
     invariant_block: 0, or for a batch-invariant generation the most tokens one of its
         verifications held (the target's measured invariant_block).
+    weights: where the target's weights live (llama.cpp: the buffer choice and its buffer
+        types with their MiB, "repack (CPU_Mapped 1060 MiB, CPU_REPACK 597 MiB)"); "" elsewhere.
     accepted_prediction_tokens / rejected_prediction_tokens: None without a prediction;
         else the tokens drafted from the prediction that the target accepted / rejected
         (verified and discarded), as OpenAI's usage.completion_tokens_details reports them.
@@ -51,6 +53,7 @@ class Stats:
     verify_s: float = 0.0
     controller_note: str = ""
     invariant_block: int = 0
+    weights: str = ""
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
     tree_steps: int = 0
@@ -137,6 +140,7 @@ class Stats:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "controller_note": self.controller_note,
             "invariant_block": self.invariant_block,
+            "weights": self.weights,
             "tree_steps": self.tree_steps,
             "tree_nodes": self.tree_nodes,
             "tree_accepted": self.tree_accepted,

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelFileError, SpecDecodeError
-from ..files import atomic_folder, atomic_path, sha256_file, write_text_atomic
+from ..files import CACHE_ENV, atomic_folder, atomic_path, cache_dir, sha256_file, write_text_atomic  # noqa: F401
 from ..limits import DTYPES
 
-CACHE_ENV = "SPECDECODE_CACHE"
 GGUF_MAGIC = b"GGUF"
 
 
@@ -101,16 +100,6 @@ REGISTRY: dict[str, ModelSpec] = {
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_dir() -> Path:
-    """The model cache folder ($SPECDECODE_CACHE, else the user's cache directory)."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("specdecode")) / "models"
 
 
 def cached_path(spec: ModelSpec) -> Path:

@@ -104,6 +104,11 @@ class Backend(Protocol):
         """What a measured latency depends on beyond the file (e.g. dtype); "" if nothing."""
 
     @property
+    def weights_note(self) -> str:
+        """Where the weights live, for the statistics (llama.cpp: its buffer types and their
+        MiB); "" if nothing worth saying."""
+
+    @property
     def n_vocab(self) -> int:
         """Vocabulary size V (rows of the output logits)."""
 
@@ -255,6 +260,10 @@ class BackendBase:
 
     @property
     def cost_key(self) -> str:
+        return ""
+
+    @property
+    def weights_note(self) -> str:
         return ""
 
     def greedy_draft(self, token_ids: Sequence[int], k: int) -> list[int]:

@@ -18,8 +18,8 @@ from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 from ..trees.llama_forward import forward_tree, keep_rows
-from .llama_lib import (FLASH_ATTENTION_MODES, default_threads, extra_buffers_are_safe, flash_attention, init_llama,
-                        last_error)
+from .llama_buffers import ModelBuffers, resolve_buffers
+from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error, weight_buffer_log
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -102,14 +102,11 @@ class LlamaCppBackend(BackendBase):
                                   "branch sequences in one shared cache; drop --max-tree-nodes", param="max_tree_nodes")
         self._flash_attention = flash_attention()  # llama.cpp's choice unless asked: llama_lib.flash_attention
         self._model = None
+        self._buffers, self._weight_buffers = "none", {}
         self._ctx = None
         self._batch = None
 
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
-        self._extra_bufts = extra_buffers_are_safe()
-        mparams.use_extra_bufts = self._extra_bufts
-        model = llama_cpp.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
+        model = self._load_model(n_threads)
         if not model:
             raise ModelFileError(
                 f"llama.cpp could not load model file {self.path}: the file is corrupt, truncated or not a "
@@ -145,6 +142,26 @@ class LlamaCppBackend(BackendBase):
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
 
+    def _load_model(self, n_threads: int):
+        """llama.cpp's model, its weights in the buffer type chosen for this build and machine
+        (:func:`.llama_buffers.resolve_buffers`); weights placed in CPU_REPACK one by one that
+        fail to load are loaded again in plain memory. None when llama.cpp cannot load the file."""
+        placement = resolve_buffers(self.path, n_threads)
+        for attempt in (placement, None):
+            if attempt is None:
+                if not placement.patterns:
+                    return None
+                attempt = ModelBuffers("none", False)
+            mparams = self._lib.llama_model_default_params()
+            mparams.n_gpu_layers = 0
+            attempt.apply(mparams)
+            with weight_buffer_log() as seen:
+                model = self._lib.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
+            if model:
+                self._buffers, self._weight_buffers = attempt.choice, dict(seen)
+                return model
+        return None
+
     def _context_params(self, n_ctx: int, n_seq: int, tree_branches: int, kv_per_sequence: bool, n_threads: int):
         """llama.cpp's context parameters: n_seq sequences of n_ctx cells (one unified buffer
         unless kv_per_sequence), tree branch sequences, the batch and output-row sizes, threads
@@ -166,8 +183,27 @@ class LlamaCppBackend(BackendBase):
     @property
     def cost_key(self) -> str:
         """What besides the file and threads a measured latency depends on: the attention kernel
-        (:func:`~specdecode.backends.llama_lib.flash_attention`) and whether weights are repacked."""
-        return f"flash_attn={self._flash_attention}|extra_bufts={self._extra_bufts}"
+        (:func:`~specdecode.backends.llama_lib.flash_attention`) and the weights' buffer type
+        (:mod:`.llama_buffers`)."""
+        return f"flash_attn={self._flash_attention}|buffers={self._buffers}"
+
+    @property
+    def buffers(self) -> str:
+        """"amx", "repack" or "none": the buffer type chosen for the weights (:mod:`.llama_buffers`)."""
+        return self._buffers
+
+    @property
+    def weight_buffers(self) -> dict[str, float]:
+        """The buffer types holding the weights, as llama.cpp reported them while loading
+        ({"CPU_REPACK": 596.5, "CPU_Mapped": 1059.9}, MiB)."""
+        return dict(self._weight_buffers)
+
+    @property
+    def weights_note(self) -> str:
+        """The buffer choice and what llama.cpp reported holding the weights:
+        "repack (CPU_REPACK 597 MiB, CPU_Mapped 1060 MiB)"."""
+        held = ", ".join(f"{name} {mib:.0f} MiB" for name, mib in sorted(self._weight_buffers.items()))
+        return f"{self._buffers} ({held})" if held else self._buffers
 
     @property
     def flash_attention(self) -> str:

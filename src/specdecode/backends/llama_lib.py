@@ -1,19 +1,27 @@
 """The llama.cpp library as a process sees it, apart from any one model: loading it once with
-its log routed (:func:`init_llama`, :func:`last_error`), which of its CPU buffer types are
-safe on this build (:func:`extra_buffers_are_safe`), whether attention runs as flash attention
+its log routed (:func:`init_llama`, :func:`last_error`), the buffer types it reports holding
+a model's weights as it loads (:func:`weight_buffer_log`; which to use: :mod:`.llama_buffers`),
+whether attention runs as flash attention
 (:func:`flash_attention`), and how many threads a forward should use (:func:`default_threads`)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
+import re
 import sys
+import threading
 from pathlib import Path
+from typing import Iterator
 
 _BACKEND_READY = False
 _LOG_CALLBACK = None  # kept alive: llama.cpp holds a raw pointer to it
 _RECENT_ERRORS: "collections.deque[str]" = collections.deque(maxlen=8)
+_WEIGHT_BUFFERS: dict[str, float] | None = None  # filled while weight_buffer_log is active
+_LOAD_LOCK = threading.Lock()
+_MODEL_BUFFER = re.compile(r"(\S+) model buffer size =\s*([0-9.]+) MiB")
 GGML_LOG_LEVEL_WARN = 3  # ggml's enum: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 
 
@@ -32,6 +40,9 @@ def init_llama() -> None:
         msg = text.decode("utf-8", errors="replace")
         if verbose:
             print(msg, end="", file=sys.stderr, flush=True)
+        seen = _WEIGHT_BUFFERS
+        if seen is not None and (m := _MODEL_BUFFER.search(msg)):
+            seen[m.group(1)] = seen.get(m.group(1), 0.0) + float(m.group(2))
         if level in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_WARN + 1) and "error" in msg.lower():
             _RECENT_ERRORS.append(msg.strip())
 
@@ -47,30 +58,19 @@ def last_error() -> str:
     return f" ({msg})" if msg else ""
 
 
-def extra_buffers_are_safe() -> bool:
-    """Whether llama.cpp may repack weights into its extra CPU buffer types.
-
-    Repacked weights make batched forwards (verification of K drafts) much faster, but a
-    llama.cpp built with AMX support (``-march=native`` on an AMX-capable Xeon) puts
-    weights in its AMX buffer, whose matmul crashes with SIGSEGV in
-    ggml_backend_amx_mul_mat on the VMs we run on. So repack unless the library was
-    built with AMX. SPECDECODE_LLAMA_REPACK=0/1 overrides.
-    """
-    env = os.environ.get("SPECDECODE_LLAMA_REPACK")
-    if env in ("0", "1"):
-        return env == "1"
-    import llama_cpp
-
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll"):
-        if (lib_dir / name).exists():
-            try:
-                fn = ctypes.CDLL(str(lib_dir / name)).ggml_cpu_has_amx_int8
-            except (OSError, AttributeError):
-                return False
-            fn.restype = ctypes.c_int
-            return fn() == 0
-    return False
+@contextlib.contextmanager
+def weight_buffer_log() -> Iterator[dict[str, float]]:
+    """While active, the buffer types llama.cpp reports holding a model's weights as it loads
+    ({"CPU_REPACK": 596.5, "CPU_Mapped": 1059.9}, MiB, from its "model buffer size" log lines).
+    One load at a time (a lock)."""
+    global _WEIGHT_BUFFERS
+    with _LOAD_LOCK:
+        seen: dict[str, float] = {}
+        _WEIGHT_BUFFERS = seen
+        try:
+            yield seen
+        finally:
+            _WEIGHT_BUFFERS = None
 
 
 FLASH_ATTENTION_ENV = "SPECDECODE_LLAMA_FLASH_ATTN"

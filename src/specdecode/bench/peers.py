@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 from ..assembly import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
-from ..backends.llama_lib import extra_buffers_are_safe
+from ..backends.llama_buffers import ModelBuffers, resolve_buffers
 from ..engine import SpeculativeEngine
 
 # Tokens each peer drafts per step: LlamaPromptLookupDecoding's default, and the value of
@@ -40,15 +40,17 @@ class Peer(Protocol):
 
 
 @contextmanager
-def _llama_model_params(use_extra_bufts: bool) -> Iterator[None]:
-    """While active, llama-cpp-python's ``Llama()`` loads with ``use_extra_bufts`` set.
+def _llama_model_params(placement: ModelBuffers) -> Iterator[None]:
+    """While active, llama-cpp-python's ``Llama()`` loads with the weights placed as
+    ``placement`` says (``use_extra_bufts`` and ``tensor_buft_overrides``), as specdecode's own
+    backend places them.
 
     Why a patch: llama-cpp-python 0.3.36's ``Llama.__init__`` builds its model params from
     ``llama_cpp.llama_cpp.llama_model_default_params()`` and hands them straight to the
-    model loader; it has no argument for ``use_extra_bufts`` and no way to pass model
-    params (``**kwargs`` is ignored). Without it the peer would repack weights into the AMX
-    buffer that crashes (see ``extra_buffers_are_safe``). So the default-params function is
-    wrapped for the peer's own load only and restored however the load ends.
+    model loader; it has no argument for either and no way to pass model params (``**kwargs``
+    is ignored). Without it the peer would put weights in the AMX buffer that crashes
+    (:mod:`specdecode.backends.llama_buffers`). So the default-params function is wrapped for
+    the peer's own load only and restored however the load ends.
     """
     import llama_cpp.llama_cpp as lib  # the module Llama.__init__ calls into
 
@@ -56,7 +58,7 @@ def _llama_model_params(use_extra_bufts: bool) -> Iterator[None]:
 
     def params():
         mp = original()
-        mp.use_extra_bufts = use_extra_bufts
+        placement.apply(mp)
         return mp
 
     lib.llama_model_default_params = params
@@ -77,7 +79,7 @@ class PromptLookupPeer:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        with _llama_model_params(use_extra_bufts=extra_buffers_are_safe()):
+        with _llama_model_params(resolve_buffers(path, n_threads)):
             # logits_all=True: with a draft model Llama evaluates many positions per call, but
             # sizes its score buffer from this argument (n_batch rows otherwise, which
             # overflows on prompts longer than n_batch).

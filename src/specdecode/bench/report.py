@@ -102,6 +102,7 @@ def markdown(summary: dict, meta: dict) -> str:
     """The summary as Markdown: a header with the run's settings, one table per configuration."""
     lines = [f"# specdecode bench: {meta['target']}", "",
              f"{meta['prompts']} prompts, temperature {meta['temperature']}, {meta['threads']} threads, "
+             + (f"weights {meta['weights']}, " if meta.get("weights") else "") +
              f"peak RSS {meta['rss_before_peer_mb']:.0f} MB before the peer loads, {meta['peak_rss_mb']:.0f} MB in all",
              f"peer: {meta.get('peer')}", "",
              "oracle speedup: the greedy outputs replayed with the measured T(n), each step taking the "

@@ -394,7 +394,7 @@ def run_bench(config: BenchConfig) -> dict:
     if curve is not None:  # after the timed runs, so the replays never delay them
         _add_oracle(runs, drafts, oracle_drafters, curve)
     meta = {"target": config.target, "prompts": len(prompts), "temperature": params.temperature,
-            "threads": getattr(target, "n_threads", None), "peak_rss_mb": round(rss, 1),
+            "threads": getattr(target, "n_threads", None), "weights": getattr(target, "weights_note", ""), "peak_rss_mb": round(rss, 1),
             "rss_before_peer_mb": round(rss_specdecode, 1),
             "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite"),
             "cost_curve": curve.to_dict() if curve is not None else None,

@@ -290,6 +290,7 @@ class SpeculativeEngine:
         finally:
             slot.gen = None
             out.stats.controller_note = end_plan(gen.drafter)
+            out.stats.weights = getattr(self.target, "weights_note", "")  # (fakes in tests may lack it)
             if (counts := gen.drafter.input_counts()) is not None:
                 out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens = counts
         tail = out.end("length")

@@ -1,0 +1,443 @@
+"""Where llama.cpp keeps a GGUF model's weights on the CPU: which of its buffer types, chosen
+per llama.cpp build and machine.
+
+llama.cpp's CPU backend has extra buffer types besides plain memory. CPU_REPACK rearranges
+quantized weights for its GEMM kernels (groups of 4 or 8 rows), which makes forwards of
+several tokens (verification of K drafts) much cheaper. A build compiled with AMX
+(``-march=native`` on a Sapphire Rapids or later Xeon, what ``pip install`` does there) also
+has an AMX buffer type, which llama.cpp prefers whenever extra buffer types are on, and whose
+matmul crashes with SIGSEGV on forwards of 2 or more tokens on the VMs measured (llama.cpp
+#20824: the tile permission is requested on the main thread only). So the choices are:
+
+- ``"repack"``: CPU_REPACK for every weight it supports, never AMX. On a build without AMX
+  that is llama.cpp's own choice (``use_extra_bufts``). On an AMX build the extra buffer types
+  are off and each supported weight is placed in CPU_REPACK by name (``tensor_buft_overrides``,
+  :func:`repack_overrides`); whether CPU_REPACK supports a weight is asked of ggml itself, the
+  way llama.cpp's loader asks (the matmul op's ``supports_op`` with the weight in that buffer).
+- ``"amx"``: llama.cpp's own choice on an AMX build (AMX first, CPU_REPACK for the rest).
+- ``"none"``: plain memory, no extra buffer types.
+
+:func:`choose_buffers` is the decision as a pure function; :func:`probe_amx` decides by trying:
+a child process loads the model in the AMX buffer and runs a 2-token forward (a crash kills
+the child only) and times T(n), another does the same with CPU_REPACK, and AMX is used where
+it survives and is faster. The probe is cached per llama.cpp build, CPU flags, threads and
+model file. ``SPECDECODE_LLAMA_BUFFERS=amx|repack|none`` overrides it all
+(``SPECDECODE_LLAMA_REPACK=0|1``, the older switch, means none|repack).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import ModelFileError, SpecDecodeError
+from ..files import cache_dir, write_text_atomic
+
+BUFFERS_ENV = "SPECDECODE_LLAMA_BUFFERS"
+LEGACY_REPACK_ENV = "SPECDECODE_LLAMA_REPACK"
+BUFFER_CHOICES = ("amx", "repack", "none")
+REPACK_NAME = "CPU_REPACK"
+PROBE_NS = (1, 2, 4, 8, 16, 32)  # the sizes a probe times: T(n), seconds
+PROBE_TIMEOUT_S = 600.0
+# The 2-D weights of a transformer layer that llama.cpp multiplies activations by (GGML_OP_MUL_MAT),
+# by their GGUF names: only these may be placed in CPU_REPACK (token_embd is read by row, norms
+# are added: CPU_REPACK supports neither, and a weight there that its kernels do not support
+# aborts the load).
+MATMUL_WEIGHT = re.compile(r"^(blk\.(\d+)\.(attn_(?:q|k|v|qkv|output)|ffn_(?:gate|up|down))|(output))\.weight$")
+
+
+def requested_buffers() -> str | None:
+    """The buffer choice the environment asks for: SPECDECODE_LLAMA_BUFFERS (amx, repack or
+    none), else the older SPECDECODE_LLAMA_REPACK (0: none, 1: repack), else None (decide).
+    Raises SpecDecodeError for any other value, naming it."""
+    value = os.environ.get(BUFFERS_ENV, "").strip().lower()
+    if value:
+        if value not in BUFFER_CHOICES:
+            raise SpecDecodeError(f"{BUFFERS_ENV}={os.environ[BUFFERS_ENV]!r} is not a choice: expected "
+                                  f"{', '.join(BUFFER_CHOICES)}")
+        return value
+    legacy = os.environ.get(LEGACY_REPACK_ENV)
+    if legacy in ("0", "1"):
+        return "repack" if legacy == "1" else "none"
+    return None
+
+
+@dataclass(frozen=True)
+class AmxProbe:
+    """What trying the AMX buffer showed: whether a 2-token forward in it survived, why not
+    (``detail``: "killed by SIGSEGV", a timeout, the child's last error line), and T(n) in
+    seconds at PROBE_NS with AMX and with CPU_REPACK ({} where that child failed)."""
+
+    survived: bool
+    detail: str = ""
+    amx: dict[int, float] = field(default_factory=dict)
+    repack: dict[int, float] = field(default_factory=dict)
+
+    def amx_beats_repack(self) -> bool:
+        """Whether AMX's curve is faster: the geometric mean of T_amx(n) / T_repack(n) over the
+        sizes both measured is below 1 (True when only AMX was measured)."""
+        common = [n for n in self.amx if n in self.repack and self.amx[n] > 0 and self.repack[n] > 0]
+        if not self.survived or not self.amx:
+            return False
+        if not common:
+            return not self.repack
+        return sum(math.log(self.amx[n] / self.repack[n]) for n in common) / len(common) < 0.0
+
+    def to_dict(self) -> dict:
+        return {"survived": self.survived, "detail": self.detail, "amx": {str(n): s for n, s in self.amx.items()},
+                "repack": {str(n): s for n, s in self.repack.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AmxProbe":
+        return cls(bool(d["survived"]), str(d.get("detail", "")), {int(n): float(s) for n, s in d["amx"].items()},
+                   {int(n): float(s) for n, s in d["repack"].items()})
+
+
+def choose_buffers(amx_compiled: bool, repack_found: bool, requested: str | None, probe: AmxProbe | None) -> str:
+    """The buffer type for a model's weights: "amx", "repack" or "none".
+
+    amx_compiled: the llama.cpp build has AMX kernels (:func:`amx_compiled`). repack_found: its
+    CPU device lists the CPU_REPACK buffer type (:func:`repack_buffer_type`). requested: the
+    user's choice (:func:`requested_buffers`), which wins. probe: the trial of AMX on this
+    machine (:func:`probe_amx`; None when not run). Without a request: repack where AMX is not
+    compiled in; on an AMX build AMX where the probe survived and AMX beat CPU_REPACK, else
+    CPU_REPACK; plain memory where CPU_REPACK is missing.
+
+    Raises SpecDecodeError when the request cannot be met by this build (amx without AMX
+    kernels; repack without CPU_REPACK), naming both.
+    """
+    if requested is not None:
+        if requested == "amx" and not amx_compiled:
+            raise SpecDecodeError(f"{BUFFERS_ENV}=amx: this llama.cpp build has no AMX kernels (it was not compiled "
+                                  "for an AMX CPU); expected repack or none")
+        if requested == "repack" and amx_compiled and not repack_found:
+            raise SpecDecodeError(f"{BUFFERS_ENV}=repack: this llama.cpp build lists no {REPACK_NAME} buffer type; "
+                                  "expected amx or none")
+        if requested not in BUFFER_CHOICES:
+            raise SpecDecodeError(f"buffers {requested!r} is not a choice: expected {', '.join(BUFFER_CHOICES)}")
+        return requested
+    if not amx_compiled:
+        return "repack"
+    if probe is not None and probe.amx_beats_repack():
+        return "amx"
+    return "repack" if repack_found else "none"
+
+
+# --- ggml, through ctypes ------------------------------------------------------------------
+def _lib_dir() -> Path:
+    import llama_cpp
+
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+def _lib(stem: str) -> ctypes.CDLL | None:
+    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
+        if (_lib_dir() / name).exists():
+            try:
+                return ctypes.CDLL(str(_lib_dir() / name))
+            except OSError:
+                return None
+    return None
+
+
+def amx_compiled() -> bool:
+    """Whether the installed llama.cpp was compiled with AMX kernels (``ggml_cpu_has_amx_int8``:
+    a compile-time answer, true for a native build on an AMX CPU)."""
+    cpu = _lib("ggml-cpu")
+    fn = getattr(cpu, "ggml_cpu_has_amx_int8", None) if cpu is not None else None
+    if fn is None:
+        return False
+    fn.restype = ctypes.c_int
+    return fn() != 0
+
+
+class _GgmlInitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
+    """(libggml-base, libggml) with the signatures used here, or None where not found."""
+    base, reg = _lib("ggml-base"), _lib("ggml")
+    if base is None or reg is None:
+        return None
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for fn, args, res in ((base.ggml_init, [_GgmlInitParams], vp), (base.ggml_free, [vp], None),
+                          (base.ggml_tensor_overhead, [], sz),
+                          (base.ggml_new_tensor_2d, [vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], vp),
+                          (base.ggml_mul_mat, [vp, vp, vp], vp), (base.ggml_backend_buft_alloc_buffer, [vp, sz], vp),
+                          (base.ggml_backend_buffer_free, [vp], None), (base.ggml_backend_dev_supports_op, [vp, vp], ctypes.c_bool),
+                          (base.ggml_backend_buft_name, [vp], ctypes.c_char_p), (base.ggml_backend_dev_backend_reg, [vp], vp),
+                          (base.ggml_backend_reg_get_proc_address, [vp, ctypes.c_char_p], vp),
+                          (reg.ggml_backend_dev_by_type, [ctypes.c_int], vp)):
+        fn.argtypes, fn.restype = args, res
+    return base, reg
+
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_TYPE_F32 = 0
+_TENSOR_BUFFER_OFFSET = 8  # struct ggml_tensor { enum ggml_type type; struct ggml_backend_buffer * buffer; ...}
+
+
+def repack_buffer_type() -> int | None:
+    """The CPU_REPACK buffer type (a ``ggml_backend_buffer_type_t``, as an int) among the CPU
+    device's extra buffer types, found by name; None where this build has none."""
+    from .llama_lib import init_llama
+
+    init_llama()
+    libs = _ggml()
+    if libs is None:
+        return None
+    base, reg = libs
+    dev = reg.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        return None
+    proc = base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
+    if not proc:
+        return None
+    extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)(dev)
+    i = 0
+    while extra and extra[i]:
+        if base.ggml_backend_buft_name(extra[i]) == REPACK_NAME.encode():
+            return int(extra[i])
+        i += 1
+    return None
+
+
+def repack_supports(buft: int, ggml_type: int, ne0: int, ne1: int) -> bool:
+    """Whether CPU_REPACK (``buft``) runs a matmul by a weight of this ggml type and shape
+    [ne0 (row length), ne1 (rows)]: ggml's own answer (``ggml_backend_dev_supports_op`` with the
+    weight in a buffer of that type, as llama.cpp's loader asks before placing a weight)."""
+    libs = _ggml()
+    if libs is None:
+        return False
+    base, reg = libs
+    ctx = base.ggml_init(_GgmlInitParams(base.ggml_tensor_overhead() * 8, None, True))
+    if not ctx:
+        return False
+    try:
+        w = base.ggml_new_tensor_2d(ctx, ggml_type, ne0, ne1)
+        x = base.ggml_new_tensor_2d(ctx, GGML_TYPE_F32, ne0, 512)
+        op = base.ggml_mul_mat(ctx, w, x)
+        buf = base.ggml_backend_buft_alloc_buffer(buft, 0)
+        if not (w and op and buf):
+            return False
+        slot = ctypes.c_void_p.from_address(w + _TENSOR_BUFFER_OFFSET)
+        slot.value = buf
+        try:
+            return bool(base.ggml_backend_dev_supports_op(reg.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU), op))
+        finally:
+            slot.value = None
+            base.ggml_backend_buffer_free(buf)
+    finally:
+        base.ggml_free(ctx)
+
+
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+def gguf_tensors(path: str | Path) -> list[tuple[str, int, tuple[int, int, int, int]]]:
+    """The tensors of a GGUF file as (name, ggml type, ne [4]), read by ggml's own GGUF reader
+    (``gguf_init_from_file``: the header only, in milliseconds). Raises ModelFileError when the
+    file cannot be read as GGUF."""
+    from .llama_lib import init_llama
+
+    init_llama()  # ggml's messages go through specdecode's log routing
+    base = _lib("ggml-base")
+    if base is None:
+        raise SpecDecodeError("llama.cpp's ggml-base library was not found beside llama_cpp")
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn, args, res in ((base.gguf_init_from_file, [ctypes.c_char_p, _GgufInitParams], vp), (base.gguf_free, [vp], None),
+                          (base.gguf_get_n_tensors, [vp], i64), (base.gguf_get_tensor_name, [vp, i64], ctypes.c_char_p),
+                          (base.gguf_get_tensor_type, [vp, i64], ctypes.c_int),
+                          (base.gguf_get_tensor_ne, [vp, i64], ctypes.POINTER(i64))):
+        fn.argtypes, fn.restype = args, res
+    ctx = base.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
+    if not ctx:
+        raise ModelFileError(f"llama.cpp could not load model file {path}: the file is corrupt, truncated or not a "
+                             "supported GGUF model (its tensor list cannot be read)")
+    try:
+        out = []
+        for i in range(base.gguf_get_n_tensors(ctx)):
+            ne = base.gguf_get_tensor_ne(ctx, i)
+            out.append((base.gguf_get_tensor_name(ctx, i).decode("utf-8", "replace"), int(base.gguf_get_tensor_type(ctx, i)),
+                        tuple(int(ne[d]) for d in range(4))))
+        return out
+    finally:
+        base.gguf_free(ctx)
+
+
+def repack_overrides(tensors: Sequence[tuple[str, int, Sequence[int]]], supports: Callable[[int, int, int], bool]) -> list[str]:
+    """Patterns (regular expressions over tensor names) of the matmul weights among ``tensors``
+    ((name, ggml type, ne) as :func:`gguf_tensors` gives them) that CPU_REPACK supports: one
+    pattern per kind of weight, naming its layers (``^blk\\.(0|1|5)\\.ffn_down\\.weight$``),
+    and ``^output\\.weight$``. supports(ggml type, ne0, ne1): whether CPU_REPACK runs that
+    weight (:func:`repack_supports`), asked once per type and shape."""
+    asked: dict[tuple[int, int, int], bool] = {}
+    layers: dict[str, list[str]] = {}
+    for name, ggml_type, ne in tensors:
+        m = MATMUL_WEIGHT.match(name)
+        if m is None or any(d != 1 for d in ne[2:]):
+            continue
+        key = (ggml_type, int(ne[0]), int(ne[1]))
+        if key not in asked:
+            asked[key] = supports(*key)
+        if asked[key]:
+            layers.setdefault(m.group(3) or m.group(4), []).append(m.group(2) or "")
+    out = []
+    for kind, ids in layers.items():
+        out.append(f"^{kind}\\.weight$" if ids == [""] else f"^blk\\.({'|'.join(ids)})\\.{kind}\\.weight$")
+    return out
+
+
+class _BuftOverride(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+@dataclass
+class ModelBuffers:
+    """How a model's weights are placed, for ``llama_model_params``: ``use_extra_bufts`` and the
+    NULL-terminated ``tensor_buft_overrides`` array (kept alive here while the model loads)."""
+
+    choice: str
+    use_extra_bufts: bool
+    patterns: list[str] = field(default_factory=list)
+    _array: object = None
+
+    def apply(self, mparams) -> None:
+        """Set these on llama.cpp's model parameters (a ``llama_model_params``)."""
+        mparams.use_extra_bufts = self.use_extra_bufts
+        if not self.patterns:
+            mparams.tensor_buft_overrides = None
+            return
+        buft = repack_buffer_type()
+        arr = (_BuftOverride * (len(self.patterns) + 1))()
+        for i, p in enumerate(self.patterns):
+            arr[i].pattern, arr[i].buft = p.encode(), buft
+        self._array = arr
+        mparams.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+
+
+def model_buffers(choice: str, amx: bool, path: str | Path) -> ModelBuffers:
+    """The parameters that give ``choice`` on a build with (``amx``) or without AMX kernels: repack
+    is llama.cpp's own choice without AMX, weight by weight with it (:func:`repack_overrides`)."""
+    if choice == "none":
+        return ModelBuffers(choice, False)
+    if choice == "amx" or not amx:
+        return ModelBuffers(choice, True)
+    buft = repack_buffer_type()
+    patterns = repack_overrides(gguf_tensors(path), lambda *k: repack_supports(buft, *k)) if buft else []
+    return ModelBuffers(choice if patterns else "none", False, patterns)
+
+
+# --- the probe -------------------------------------------------------------------------------
+def _file_stamp(path: Path) -> str:
+    try:
+        st = path.stat()
+    except OSError:
+        return path.name
+    return f"{path.name}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def probe_key(path: str | Path, n_threads: int) -> str:
+    """What a probe's answer depends on: the llama.cpp build (its CPU library file), the CPU's
+    flags, the thread count and the model file."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    lib = next((p for p in _lib_dir().glob("*ggml-cpu*") if p.is_file()), None)
+    parts = [_file_stamp(lib) if lib else "", hashlib.sha256(flags.encode()).hexdigest()[:16], str(n_threads),
+             _file_stamp(Path(path))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def _run_child(command: Sequence[str], timeout_s: float) -> tuple[dict | None, str]:
+    """Run one probe child: (its last JSON line, or None, and why it failed: "" when it did not)."""
+    try:
+        done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout_s:.0f} s"
+    except OSError as e:
+        return None, f"could not start ({e})"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    result = None
+    if lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            result = None
+    if done.returncode < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return result, f"killed by {name}"
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return result, tail[:300]
+    return result, ""
+
+
+def probe_amx(path: str | Path, n_threads: int, command: Sequence[str] | None = None,
+              timeout_s: float = PROBE_TIMEOUT_S) -> AmxProbe:
+    """Try the AMX buffer in a child process: it loads ``path`` with AMX, runs a 2-token forward
+    (printing ``{"survived": true}``), then times T(n) at PROBE_NS and prints
+    ``{"survived": true, "seconds": {n: s}}``; a second child does the same with CPU_REPACK.
+    command: the child's argv before its arguments (model, buffers, threads); by default
+    ``python -m specdecode.backends.llama_probe``. A child killed by a signal, timing out or
+    failing counts as not surviving, with the reason in ``detail``."""
+    command = list(command or [sys.executable, "-m", "specdecode.backends.llama_probe"])
+
+    def run(buffers: str) -> tuple[dict | None, str]:
+        return _run_child(command + [str(path), buffers, str(n_threads)], timeout_s)
+
+    amx, why = run("amx")
+    survived = bool(amx and amx.get("survived")) and not why
+    seconds = lambda r: {int(n): float(s) for n, s in ((r or {}).get("seconds") or {}).items()}  # noqa: E731
+    if not survived:
+        return AmxProbe(False, why or "the child printed no result", seconds(amx), {})
+    repack, _ = run("repack")
+    return AmxProbe(True, "", seconds(amx), seconds(repack))
+
+
+def cached_probe(path: str | Path, n_threads: int, folder: Path | None = None,
+                 probe: Callable[[str | Path, int], AmxProbe] = probe_amx) -> AmxProbe:
+    """:func:`probe_amx` once per :func:`probe_key`, cached as JSON under ``<cache>/costs``."""
+    file = (folder or cache_dir()) / "costs" / f"buffers-{probe_key(path, n_threads)}.json"
+    try:
+        return AmxProbe.from_dict(json.loads(file.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print("specdecode: trying llama.cpp's AMX kernels in a child process (once per build, machine and model)...",
+          file=sys.stderr, flush=True)
+    result = probe(path, n_threads)
+    try:
+        write_text_atomic(file, json.dumps(result.to_dict()))
+    except OSError:
+        pass
+    return result
+
+
+def resolve_buffers(path: str | Path, n_threads: int) -> ModelBuffers:
+    """The weights' placement for this model on this build and machine: the request
+    (SPECDECODE_LLAMA_BUFFERS), else :func:`choose_buffers` with the cached probe on an AMX
+    build. Raises SpecDecodeError on a request this build cannot meet."""
+    requested = requested_buffers()
+    amx = amx_compiled()
+    repack_found = repack_buffer_type() is not None if amx else True
+    probe = cached_probe(path, n_threads) if amx and requested is None else None
+    return model_buffers(choose_buffers(amx, repack_found, requested, probe), amx, path)

@@ -1,0 +1,58 @@
+"""The child process of :func:`specdecode.backends.llama_buffers.probe_amx`: load a GGUF model
+with the weights in one buffer type, run a 2-token forward, and time T(n).
+
+    python -m specdecode.backends.llama_probe MODEL BUFFERS THREADS
+
+BUFFERS: amx, repack or none. Prints ``{"survived": true}`` once a 2-token forward after a
+64-token context has returned (a crash in a kernel kills this process, not its parent), then
+``{"survived": true, "seconds": {"n": s}, "weights": {...}}``: T(n) in seconds at PROBE_NS, the
+median of 3 interleaved rounds, and the buffer types holding the weights (MiB, as llama.cpp
+reported them). Exit status 2 with one line on stderr when the model does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: python -m specdecode.backends.llama_probe MODEL BUFFERS THREADS", file=sys.stderr)
+        return 2
+    path, buffers, threads = argv
+    os.environ["SPECDECODE_LLAMA_BUFFERS"] = buffers
+    from ..errors import SpecDecodeError
+    from .llama_buffers import PROBE_NS
+    from .llama_cpp import LlamaCppBackend
+
+    try:
+        backend = LlamaCppBackend(path, n_ctx=256, n_threads=int(threads))
+    except (SpecDecodeError, ValueError) as e:
+        print(f"llama_probe: {e}", file=sys.stderr)
+        return 2
+    context = [100 + (7 * i) % 5000 for i in range(64)]
+    backend.forward(context, logits_for=[])
+    backend.forward([101, 102], logits_for=[0, 1])
+    print(json.dumps({"survived": True}), flush=True)
+    backend.rollback(64)
+    samples: dict[int, list[float]] = {n: [] for n in PROBE_NS}
+    order = list(PROBE_NS)
+    for r in range(4):  # one warm-up round, then 3 timed
+        for n in order[r % len(order):] + order[:r % len(order)]:
+            t0 = time.perf_counter()
+            backend.forward([200 + i for i in range(n)], logits_for=list(range(n)))
+            if r:
+                samples[n].append(time.perf_counter() - t0)
+            backend.rollback(64)
+    seconds = {str(n): statistics.median(s) for n, s in samples.items()}
+    print(json.dumps({"survived": True, "seconds": seconds, "weights": backend.weight_buffers}), flush=True)
+    backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
