@@ -114,14 +114,15 @@ def test_the_context_is_created_with_the_chosen_flash_attention(smollm_path, mon
     assert len(set(keys.values())) == 3
 
 
-def test_a_bad_flash_attention_value_loads_nothing(smollm_path, monkeypatch):
+@pytest.mark.parametrize("variable", ["SPECDECODE_LLAMA_FLASH_ATTN", "SPECDECODE_LLAMA_BUFFERS"])
+def test_a_bad_setting_loads_nothing(smollm_path, monkeypatch, variable):
     import llama_cpp
 
     from specdecode.errors import SpecDecodeError
 
     loads = []
     monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", lambda *a: loads.append(a))
-    monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", "fast")
-    with pytest.raises(SpecDecodeError, match="'fast' is not a choice"):
+    monkeypatch.setenv(variable, "fast")
+    with pytest.raises(SpecDecodeError, match=f"{variable}='fast' is not a choice"):
         LlamaCppBackend(smollm_path, n_ctx=256)
     assert loads == []

@@ -221,15 +221,3 @@ def test_weights_placed_in_cpu_repack_by_name_equal_llama_cpps_own_placement(mon
     assert np.array_equal(own[3], by_name[3])
     assert own[2] == by_name[2] != plain[2]  # the cost curve's key names the buffers
 
-
-def test_a_bad_buffers_value_loads_nothing(smollm_path, monkeypatch):
-    import llama_cpp
-
-    from specdecode.backends.llama_cpp import LlamaCppBackend
-
-    loads = []
-    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", lambda *a: loads.append(a))
-    monkeypatch.setenv("SPECDECODE_LLAMA_BUFFERS", "fast")
-    with pytest.raises(SpecDecodeError, match="'fast' is not a choice"):
-        LlamaCppBackend(smollm_path, n_ctx=256)
-    assert loads == []
