@@ -20,7 +20,7 @@ from specdecode.sampling import Sampler, SamplingParams
 
 # A llama.cpp-like CPU curve (seconds): per-token cost falls once the batch reaches 16
 # tokens, so T(16) < T(12).
-BENT = CostCurve(COST_CURVE_NS, (0.030, 0.059, 0.080, 0.103, 0.125, 0.144, 0.168, 0.227, 0.244,
+BENT = CostCurve((1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33), (0.030, 0.059, 0.080, 0.103, 0.125, 0.144, 0.168, 0.227, 0.244,
                                  0.289, 0.250, 0.376, 0.412, 0.430))
 
 
@@ -35,8 +35,8 @@ def source(alpha: float) -> Source:
     return Source(Fixed(), 0.0, estimator=AcceptanceEstimator(prior_alpha=alpha, prior_weight=1e6))
 
 
-def test_the_curve_is_measured_to_k_32():
-    assert COST_CURVE_NS[-1] == AUTO_KMAX + 1 == 33
+def test_the_curve_is_measured_at_every_size_to_k_32():
+    assert COST_CURVE_NS == tuple(range(1, AUTO_KMAX + 2)) and AUTO_KMAX + 1 == 33
     assert BENT(16) < BENT(12) and BENT(14) == pytest.approx((0.289 + 0.250) / 2)
 
 

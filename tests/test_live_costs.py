@@ -19,18 +19,18 @@ from specdecode.control.measure import implausible_points, interleaved, measure_
 from specdecode.drafters import Draft, DrafterBase, NoDrafter
 from specdecode.drafters.base import LookupDrafter, Match
 from specdecode.engine import SpeculativeEngine
-from specdecode.limits import COST_CURVE_NS
 
 from conftest import OracleDrafter, ScriptedBackend
 
 # What an idle AVX2 machine measured for the 1.5B target (ms), as a function of n.
 IDLE_MS = {1: 48, 2: 78, 3: 100, 4: 122, 5: 140, 6: 160, 7: 178, 8: 196, 9: 214, 12: 290, 16: 419, 24: 640,
            32: 939, 33: 960}
-IDLE = CostCurve(COST_CURVE_NS, tuple(IDLE_MS[n] / 1000 for n in COST_CURVE_NS))
+NS = tuple(sorted(IDLE_MS))  # the sizes measured until every size was (the mechanism is the same)
+IDLE = CostCurve(NS, tuple(IDLE_MS[n] / 1000 for n in NS))
 # The curve a user's first start cached while another process was busy (issue 21).
 POISONED_MS = {1: 536, 2: 94, 3: 127, 4: 155, 5: 438, 6: 2388, 7: 2956, 8: 447, 9: 460, 12: 600, 16: 3500,
                24: 3900, 32: 4342, 33: 4400}
-POISONED = CostCurve(COST_CURVE_NS, tuple(POISONED_MS[n] / 1000 for n in COST_CURVE_NS))
+POISONED = CostCurve(NS, tuple(POISONED_MS[n] / 1000 for n in NS))
 
 
 class ClockedTarget:
@@ -119,21 +119,21 @@ def test_a_burst_during_measurement_is_outvoted_and_checked():
     curve within 15%."""
     burst = [(20, 28)]
     target = ClockedTarget(IDLE, burst)
-    m = measure_forward_curve(target, COST_CURVE_NS, timer=target.clock)
+    m = measure_forward_curve(target, NS, timer=target.clock)
     np.testing.assert_allclose(m.curve.seconds, IDLE.seconds, rtol=0.15)
     assert implausible_points(m.curve.ns, m.curve.seconds) == []
 
     # Negative control: each n five times in a row, median: the burst lands on consecutive points.
     target = ClockedTarget(IDLE, burst)
     secs = []
-    for n in COST_CURVE_NS:
+    for n in NS:
         times = []
         for _ in range(6):
             t0 = target.now
             target.forward_batch([measure.SeqForward(0, [1] * n, range(n))])
             times.append(target.now - t0)
         secs.append(float(np.median(times[1:])))
-    assert implausible_points(COST_CURVE_NS, secs)
+    assert implausible_points(NS, secs)
 
 
 def test_repeated_bursts_are_remeasured_and_reported():
@@ -141,7 +141,7 @@ def test_repeated_bursts_are_remeasured_and_reported():
     measured again; the result is plausible whatever remains."""
     bursts = [(a, a + 3) for a in range(0, 400, 7)]
     target = ClockedTarget(IDLE, bursts)
-    m = measure_forward_curve(target, COST_CURVE_NS, timer=target.clock)
+    m = measure_forward_curve(target, NS, timer=target.clock)
     assert implausible_points(m.curve.ns, m.curve.seconds) == []
     assert m.spread > 0.3 and m.busy and "busy" in m.note()
 
@@ -170,7 +170,7 @@ def timed(monkeypatch):
 # T(n) = n T(1) from n = 8 on, where the idle machine's T(16) and T(33) are 0.6x that.
 LINEAR_MS = {1: 43.5, 2: 85.4, 3: 130.5, 4: 168.8, 5: 195.2, 6: 220.6, 7: 263.9, 8: 348.0, 9: 391.6, 12: 522.1,
              16: 696.1, 24: 1044.1, 32: 1392.2, 33: 1398.2}
-LINEAR = CostCurve(COST_CURVE_NS, tuple(LINEAR_MS[n] / 1000 for n in COST_CURVE_NS))
+LINEAR = CostCurve(NS, tuple(LINEAR_MS[n] / 1000 for n in NS))
 
 
 def _cache(target, tmp_path, curve, **fields):
@@ -187,29 +187,29 @@ def test_a_poisoned_cache_is_measured_again(tmp_path, timed):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({**POISONED.to_dict(), "key": costcache.machine_key(target),
                                 "measured_at": time.time()}))
-    m = costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    m = costcache.cached_measurement(target, NS, tmp_path)
     assert len(timed.calls) == 1 and implausible_points(m.curve.ns, m.curve.seconds) == []
-    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path) == m and len(timed.calls) == 1
+    assert costcache.cached_measurement(target, NS, tmp_path) == m and len(timed.calls) == 1
 
 
 def test_a_live_cache_that_an_idle_check_contradicts_is_measured_again(tmp_path, timed):
     target = ClockedTarget(IDLE)
     path = _cache(target, tmp_path, LINEAR, source="live")
-    m = costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
-    assert timed.calls == [(1, 16, 33), tuple(COST_CURVE_NS)]  # the check, then the whole curve
+    m = costcache.cached_measurement(target, NS, tmp_path)
+    assert timed.calls == [(1, 16, 33), tuple(NS)]  # the check, then the whole curve
     assert m.curve(33) == pytest.approx(IDLE(33)) and m.curve(16) == pytest.approx(IDLE(16))
     assert json.loads(path.read_text())["source"] == "measured"
-    costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)  # an idle measurement is trusted as it is
+    costcache.cached_measurement(target, NS, tmp_path)  # an idle measurement is trusted as it is
     assert len(timed.calls) == 2
 
 
 def test_a_live_cache_that_the_check_confirms_is_kept_and_trusted_from_then_on(tmp_path, timed):
     target = ClockedTarget(IDLE)
     path = _cache(target, tmp_path, IDLE, source="live")
-    m = costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    m = costcache.cached_measurement(target, NS, tmp_path)
     assert timed.calls == [(1, 16, 33)] and m.curve == IDLE
     assert "checked_at" in json.loads(path.read_text())
-    costcache.cached_measurement(target, COST_CURVE_NS, tmp_path)
+    costcache.cached_measurement(target, NS, tmp_path)
     assert len(timed.calls) == 1
 
 
@@ -217,17 +217,17 @@ def test_a_busy_check_keeps_the_cache_and_checks_again_next_time(tmp_path, timed
     target = ClockedTarget(IDLE)
     path = _cache(target, tmp_path, LINEAR, others_cpu=0.4)  # measured while the machine was busy
     timed.others = 0.5  # and busy now
-    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR
+    assert costcache.cached_measurement(target, NS, tmp_path).curve == LINEAR
     assert "checked_at" not in json.loads(path.read_text())
     timed.others = 0.0
-    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path).curve(33) == pytest.approx(IDLE(33))
-    assert timed.calls == [(1, 16, 33), (1, 16, 33), tuple(COST_CURVE_NS)]
+    assert costcache.cached_measurement(target, NS, tmp_path).curve(33) == pytest.approx(IDLE(33))
+    assert timed.calls == [(1, 16, 33), (1, 16, 33), tuple(NS)]
 
 
 def test_an_idle_measured_cache_is_not_checked(tmp_path, timed):
     target = ClockedTarget(IDLE)
     _cache(target, tmp_path, LINEAR, source="measured")
-    assert costcache.cached_measurement(target, COST_CURVE_NS, tmp_path).curve == LINEAR and timed.calls == []
+    assert costcache.cached_measurement(target, NS, tmp_path).curve == LINEAR and timed.calls == []
 
 
 def test_live_costs_correct_a_curve_wrong_by_10x_within_a_few_steps():
@@ -252,6 +252,57 @@ def test_an_unobserved_point_is_kept_within_what_the_observed_ones_allow():
         obs.observe(4, IDLE(4))
     assert obs(1) <= 1.1 * IDLE(4)
     assert obs(16) <= 1.35 * IDLE(4) / 4 * 16 + 1e-9
+
+
+# A CPU_REPACK-like curve at every size (ms): its GEMMs take rows in groups of 4 and the rest one
+# at a time, so a block of 4 is cheaper than one of 3, 8 than 7, ... Measured: T(4) 15% below
+# T(3) on the Intel AMX machines with repack, T(16) 18% below T(15) on Zen 4; here a steeper
+# step (T(4) 34% below T(3)), past the plausibility rule's 20%.
+REPACK = CostCurve(tuple(range(1, 34)), tuple((40 + 31.5 * (n // 4) * 4 + 70 * (n % 4)) / 1000 for n in range(1, 34)))
+
+
+def test_a_kernels_cheap_sizes_are_measured_and_kept():
+    """Measured at every size on a quiet machine, the cheap block sizes are kept as they are:
+    each is measured again and gives the same, which a burst of load cannot do (load only makes
+    a forward slower). Negative control: the plausibility rule alone flags them, and repairing
+    them would have erased them."""
+    assert implausible_points(REPACK.ns, REPACK.seconds)  # T(4) < 0.8 T(3), ...
+    assert repair(REPACK.ns, REPACK.seconds, implausible_points(REPACK.ns, REPACK.seconds))[3] > REPACK(4)
+    target = ClockedTarget(REPACK)
+    m = measure_forward_curve(target, REPACK.ns, timer=target.clock)
+    np.testing.assert_allclose(m.curve.seconds, REPACK.seconds, rtol=1e-9)
+    assert m.repaired == () and 4 in m.remeasured and 4 in m.confirmed
+
+
+def test_a_curve_with_confirmed_cheap_sizes_is_cached_as_it_is(tmp_path, timed):
+    """Read back from the cache, the confirmed sizes do not make the curve look implausible
+    (which would measure it again at every start)."""
+    target = ClockedTarget(REPACK)
+    first = costcache.cached_measurement(target, REPACK.ns, tmp_path)
+    assert 4 in first.confirmed
+    assert costcache.cached_measurement(target, REPACK.ns, tmp_path) == first
+    assert timed.calls == [REPACK.ns]
+
+
+def test_an_unobserved_cheap_size_stays_as_cheap_as_measured():
+    """With T(3) observed as measured, an unobserved T(4) keeps the fall the measured curve
+    shows, rather than being raised to 0.9 T(3)."""
+    obs = ObservedCurve(REPACK)
+    for _ in range(3):
+        obs.observe(3, REPACK(3))
+    assert obs(4) == pytest.approx(REPACK(4)) and obs(4) < 0.9 * obs(3)
+
+
+def test_the_plan_verifies_at_a_cheap_size():
+    """At every alpha the controller plans with, a K whose block sits just past a cheap size
+    (K + 1 = 5, 9, ...) is never chosen over the cheap size itself when drafts are free and
+    likely: the planned rate at K = 3 (a block of 4) beats K = 2 and K = 4."""
+    from specdecode.control.costmodel import choose_k, expected_tokens_upto
+
+    T = np.array([REPACK(max(n, 1)) for n in range(0, 35)])
+    for alpha in (0.7, 0.8):
+        k, _ = choose_k(expected_tokens_upto(alpha, 4), 0.0, T)
+        assert k == 3
 
 
 def test_the_controller_follows_live_costs_and_rewrites_the_cache(tmp_path):
@@ -436,7 +487,7 @@ def test_a_curve_too_steep_to_ever_draft_is_explored_and_corrected(explore_every
     never drafting, the controller would never observe T(3) and never learn otherwise. Every
     explore_every plain steps a lookup with a match probes anyway; the live T(3) then corrects
     the curve and the controller drafts. Without exploration it stays plain for good."""
-    steep = CostCurve(COST_CURVE_NS, tuple(IDLE(1) * (1.0 if n == 1 else 1.3 * n) for n in COST_CURVE_NS))
+    steep = CostCurve(NS, tuple(IDLE(1) * (1.0 if n == 1 else 1.3 * n) for n in NS))
     c = SpeculationController([Source(Lookup(), 0.0)], steep, kmax=8, learn_costs=True, explore_every=explore_every)
     c.guard = SpeedGuard(window=10**6)
     ks = []

@@ -24,11 +24,13 @@ MAX_TREE_NODES = 64
 DEFAULT_TREE_NODES = 16
 # The cost-aware controller (``-k auto``) chooses K in 0..AUTO_KMAX each step.
 AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
-# Where the target's verification cost T(n) is measured (tokens per forward), up to
-# AUTO_KMAX + 1; the controller interpolates between them. Every point up to 9, then the
-# sizes around which llama.cpp's CPU kernels change (a 16-token forward can cost less
-# than a 12-token one).
-COST_CURVE_NS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
+# Where the target's verification cost T(n) is measured (tokens per forward): every size up to
+# AUTO_KMAX + 1, so that the controller plans with a measured T at every block it may verify.
+# llama.cpp's CPU kernels are not smooth in n: CPU_REPACK's GEMMs take rows in groups of 4 and
+# 8 and the rest one at a time, so on an AMD EPYC Zen 4 T(16) = 277 ms < T(15) = 340 ms and
+# T(32) = 448 < T(28) = 481 (default target, after 64 tokens), which no interpolation between
+# 12, 16, 24 and 32 can see.
+COST_CURVE_NS = tuple(range(1, AUTO_KMAX + 2))
 # Further forward sizes measured for a target that runs several generations in one batch
 # (--parallel > 1): a batched step holds every generation's block (up to
 # generations * (AUTO_KMAX + 1) tokens); past the last point T(n) is extrapolated linearly.

@@ -19,7 +19,7 @@ from ..backends.base import Backend
 from ..files import write_text_atomic
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from .costmodel import CostCurve
-from .measure import Measurement, implausible_points, measure_forward_curve, repair
+from .measure import Measurement, measure_forward_curve, repair, unconfirmed_points
 
 
 def machine_key(backend: Backend) -> str:
@@ -86,7 +86,7 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
             m = Measurement.from_dict(data)
             fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
             if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
-                    and not implausible_points(m.curve.ns, m.curve.seconds)):
+                    and not unconfirmed_points(m.curve.ns, m.curve.seconds, m.confirmed)):
                 if not _suspect(data, m.busy):
                     return m
                 verdict = check_curve(backend, m.curve)
@@ -155,10 +155,11 @@ def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve, why: 
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return
-    bad = implausible_points(curve.ns, curve.seconds)
+    confirmed = tuple(data.get("confirmed", ()))  # a kernel's cheap sizes, measured twice alike
+    bad = unconfirmed_points(curve.ns, curve.seconds, confirmed)
     if bad:
-        curve = CostCurve(curve.ns, tuple(repair(curve.ns, curve.seconds, bad)))
-    if tuple(data.get("ns", ())) != tuple(curve.ns) or implausible_points(curve.ns, curve.seconds):
+        curve = CostCurve(curve.ns, tuple(repair(curve.ns, curve.seconds, bad, confirmed)))
+    if tuple(data.get("ns", ())) != tuple(curve.ns) or unconfirmed_points(curve.ns, curve.seconds, confirmed):
         write_text_atomic(path, json.dumps({**data, "stale": why}))
         return
     write_text_atomic(path, json.dumps({**data, **curve.to_dict(), "measured_at": time.time(), "source": "live",

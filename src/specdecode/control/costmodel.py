@@ -126,8 +126,9 @@ class ObservedCurve:
     neighbours (interpolated in n; the overall ratio ``drift``, the median of the last
     2 ``window`` samples at any size, before any point is trusted) and is then kept within
     what the trusted points allow (:meth:`values`): no clear fall below a smaller
-    trusted size, no more than a larger one, and no higher cost per token than a smaller
-    one. So a measured curve that was wrong in shape (T(1) measured during a burst) cannot
+    trusted size (beyond the fall the measured curve itself shows between them: a kernel's
+    cheap block size), no more than a larger one, and no higher cost per token than a
+    smaller one. So a measured curve that was wrong in shape (T(1) measured during a burst) cannot
     make an unobserved size look cheap or dear beyond what the observed ones permit.
 
     base: the measured curve. window: samples per point kept. min_samples: samples that make
@@ -187,11 +188,13 @@ class ObservedCurve:
             ratio[~trusted] = np.interp(n[~trusted], n[trusted], ratio[trusted])
         v = self._base_s * ratio
         if trusted.any() and not trusted.all():  # in Python floats: a few dozen sizes, every step
-            vs, ns, ok = v.tolist(), n.tolist(), trusted.tolist()
+            vs, ns, ok, bs = v.tolist(), n.tolist(), trusted.tolist(), self._base_s.tolist()
             for j in range(len(vs)):
                 if ok[j]:
                     continue
-                below = [vs[i] for i in range(j) if ok[i]]  # sizes ascend
+                # sizes ascend; a fall the measured curve itself shows (a kernel's cheap size) is kept:
+                # load makes a measured point dear, never cheap
+                below = [vs[i] * min(1.0, bs[j] / bs[i]) for i in range(j) if ok[i]]
                 above = [vs[i] for i in range(j + 1, len(vs)) if ok[i]]
                 lo = self.FALL * max(below) if below else 0.0
                 hi = self.RISE * min(above) if above else float("inf")

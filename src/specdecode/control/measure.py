@@ -34,10 +34,14 @@ from .costmodel import CostCurve
 
 # Plausibility margins. A kernel that switches tiles at some size may make T(n) a little
 # lower than T(n - 1) (on the AVX-512 machines T(16) is about T(9)); more than this fall is a
-# measurement disturbed by load. A block's cost per token may exceed a smaller block's by
-# this factor (T(32)/32 is about 1.12 T(16)/16 on the AVX2 machines).
+# measurement disturbed by load, unless measuring it again gives the same (CONFIRM_MARGIN):
+# CPU_REPACK's kernels make T(4) 15% cheaper than T(3) on the Intel AMX machines and T(16) 18%
+# cheaper than T(15) on Zen 4, near the margin. A block's
+# cost per token may exceed a smaller block's by this factor (T(32)/32 is about 1.12 T(16)/16
+# on the AVX2 machines).
 FALL_MARGIN = 0.2
 PER_TOKEN_MARGIN = 0.35
+CONFIRM_MARGIN = 0.1  # a re-measured median within this of the first one: the point is real
 # Other processes using at least this share of the machine's CPU time during a measurement
 # make it "busy" in the statistics (and the cached curve says so).
 BUSY_SHARE = 0.2
@@ -50,7 +54,9 @@ class Measurement:
     curve: T(n) at the measured sizes. others_cpu: share (0..1) of the machine's CPU time that
     other processes used while it was measured (None where /proc/stat cannot be read).
     remeasured: sizes measured again because they looked implausible. repaired: sizes still
-    implausible after that, set from their neighbours. spread: median over sizes of the
+    implausible after that, set from their neighbours. confirmed: sizes cheaper than a smaller
+    block beyond the plausibility margin that measured the same again (a kernel's cheap size),
+    kept as measured. spread: median over sizes of the
     relative spread (interquartile range / median) of a size's rounds.
     """
 
@@ -59,6 +65,7 @@ class Measurement:
     remeasured: tuple[int, ...] = ()
     repaired: tuple[int, ...] = ()
     spread: float = 0.0
+    confirmed: tuple[int, ...] = ()
 
     @property
     def busy(self) -> bool:
@@ -80,13 +87,13 @@ class Measurement:
 
     def to_dict(self) -> dict:
         return {**self.curve.to_dict(), "others_cpu": self.others_cpu, "remeasured": list(self.remeasured),
-                "repaired": list(self.repaired), "spread": self.spread}
+                "repaired": list(self.repaired), "spread": self.spread, "confirmed": list(self.confirmed)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Measurement":
         oc = d.get("others_cpu")
         return cls(CostCurve.from_dict(d), None if oc is None else float(oc), tuple(d.get("remeasured", ())),
-                   tuple(d.get("repaired", ())), float(d.get("spread", 0.0)))
+                   tuple(d.get("repaired", ())), float(d.get("spread", 0.0)), tuple(d.get("confirmed", ())))
 
 
 def _breaks(n: np.ndarray, t: np.ndarray, i: int, j: int) -> bool:
@@ -129,16 +136,24 @@ def implausible_points(ns: Sequence[int], seconds: Sequence[float]) -> list[int]
         keep.remove(tied[0])
 
 
-def repair(ns: Sequence[int], seconds: Sequence[float], bad: Sequence[int]) -> list[float]:
-    """The curve with the ``bad`` points replaced from the trusted ones: interpolated between
-    them (linear in n), then made non-decreasing (pool-adjacent-violators isotonic regression)
-    and capped by the per-token bound from T(1)."""
+def unconfirmed_points(ns: Sequence[int], seconds: Sequence[float], confirmed: Sequence[int] = ()) -> list[int]:
+    """:func:`implausible_points` less the sizes in ``confirmed`` (measured twice alike)."""
+    return [i for i in implausible_points(ns, seconds) if ns[i] not in set(confirmed)]
+
+
+def repair(ns: Sequence[int], seconds: Sequence[float], bad: Sequence[int], confirmed: Sequence[int] = ()) -> list[float]:
+    """The curve with the ``bad`` points (indices) replaced from the trusted ones: interpolated
+    between them (linear in n); where that still leaves implausible points other than the sizes
+    ``confirmed`` (measured twice alike), made non-decreasing (pool-adjacent-violators isotonic
+    regression); then capped by the per-token bound from T(1). The trusted points' own shape
+    (a cheap block size) stays as measured."""
     n = np.asarray(ns, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64).copy()
     good = [i for i in range(len(n)) if i not in set(bad)]
     if good and bad:
         t[list(bad)] = np.interp(n[list(bad)], n[good], t[good])
-    t = _isotonic(t)
+    if unconfirmed_points(ns, t, confirmed):
+        t = _isotonic(t)
     return [float(v) for v in np.minimum(t, (1 + PER_TOKEN_MARGIN) * n / n[0] * t[0])]
 
 
@@ -204,15 +219,17 @@ class _CpuClock:
         return float(min(1.0, max(0.0, busy / total))) if total > 0 else None
 
 
-def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, rounds: int = 5,
+def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, rounds: int = 3,
                           retries: int = 2, timer: Callable[[], float] = time.perf_counter) -> Measurement:
     """Time forward(n tokens) after a context of ``context`` tokens, at each n in ns.
 
     The sizes are timed in ``rounds`` interleaved rounds (:func:`interleaved`, after one
     untimed warm-up of each shape) and each takes the median of its rounds. Points that
     :func:`implausible_points` rejects are measured again (``rounds`` more rounds of them
-    and of n = 1, up to ``retries`` times); those still implausible are repaired
-    (:func:`repair`) and named in the result.
+    and of n = 1, up to ``retries`` times). A point clearly cheaper than a smaller block whose
+    new median is within CONFIRM_MARGIN of its first is confirmed: a real property of the
+    kernels (a cheap block size; load only ever makes a forward slower), kept as measured; those still implausible and never confirmed are repaired (:func:`repair`) and
+    named in the result.
 
     A size beyond one sequence's block (MAX_NUM_SPECULATIVE_TOKENS + 1 tokens) is what a
     batched step of several generations forwards: on a backend of several sequences it is
@@ -260,22 +277,33 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
             samples[n].append(time_one(n))
     medians = lambda: [float(np.median(samples[n])) for n in ns]  # noqa: E731
     remeasured: set[int] = set()
+    confirmed: set[int] = set()
     for _ in range(retries):
-        bad = implausible_points(ns, medians())
+        bad = unconfirmed_points(ns, medians(), confirmed)
         if not bad:
             break
         again = sorted({ns[i] for i in bad} | {ns[0]})
         remeasured.update(ns[i] for i in bad)
+        first = {n: float(np.median(samples[n])) for n in again}
+        fresh: dict[int, list[float]] = {n: [] for n in again}
         for r in range(rounds):
             for n in interleaved(again, r + 1):
-                samples[n].append(time_one(n))
+                fresh[n].append(time_one(n))
+        for n in again:
+            samples[n].extend(fresh[n])
+            now = float(np.median(fresh[n]))
+            # Load only slows a forward: a point confirmed is one cheaper than a smaller block
+            # (a kernel's cheap size) that measures the same again, never one that looked slow.
+            cheap = any(now < (1 - FALL_MARGIN) * first.get(m, float(np.median(samples[m]))) for m in ns if m < n)
+            if cheap and abs(now / first[n] - 1.0) <= CONFIRM_MARGIN:
+                confirmed.add(n)
     for seq in range(used):
         backend.rollback(0, seq=seq)
     secs = medians()
-    bad = implausible_points(ns, secs)
+    bad = unconfirmed_points(ns, secs, confirmed)
     if bad:
-        secs = repair(ns, secs, bad)
+        secs = repair(ns, secs, bad, sorted(confirmed))
     spread = float(np.median([(np.percentile(samples[n], 75) - np.percentile(samples[n], 25)) / max(np.median(samples[n]), 1e-12)
                               for n in ns]))
     return Measurement(CostCurve(tuple(ns), tuple(secs)), clock.others_share(), tuple(sorted(remeasured)),
-                       tuple(ns[i] for i in bad), round(spread, 4))
+                       tuple(ns[i] for i in bad), round(spread, 4), tuple(sorted(confirmed)))
