@@ -221,3 +221,34 @@ def test_weights_placed_in_cpu_repack_by_name_equal_llama_cpps_own_placement(mon
     assert np.array_equal(own[3], by_name[3])
     assert own[2] == by_name[2] != plain[2]  # the cost curve's key names the buffers
 
+
+
+def test_the_default_targets_greedy_text_with_the_chosen_buffers_equals_plain_memorys(monkeypatch):
+    """The default target's plain greedy decoding with the buffers this machine chooses (CPU_REPACK
+    here; on an AMX build CPU_REPACK by name or AMX, whichever the trial chose, never none) gives
+    the text it gives with the weights in plain memory: exactly, or differing first at a near-tie
+    (the kernels round differently; parity_report names the gap)."""
+    from specdecode.api import Decoder
+    from specdecode.parity import parity_report
+
+    monkeypatch.delenv("SPECDECODE_LLAMA_REPACK", raising=False)
+    prompts = ["def fibonacci(n):\n", "Write one sentence about the sea."]
+    runs = {}
+    for requested in (None, "none"):
+        if requested:
+            monkeypatch.setenv("SPECDECODE_LLAMA_BUFFERS", requested)
+        else:
+            monkeypatch.delenv("SPECDECODE_LLAMA_BUFFERS", raising=False)
+        dec = Decoder(target=registry.DEFAULT_TARGET, draft="none", n_ctx=512, progress=False)
+        try:
+            runs[requested] = (dec.target.buffers, [dec.generate(p, max_tokens=48, temperature=0, record_top2_gaps=True)
+                                                    for p in prompts])
+        finally:
+            dec.close()
+    chosen, with_chosen = runs[None]
+    assert chosen != "none" and runs["none"][0] == "none"
+    if lb.amx_compiled():
+        assert chosen in ("repack", "amx")
+    reports = [parity_report(a, b) for a, b in zip(with_chosen, runs["none"][1])]
+    print("parity with the weights in plain memory:", reports)
+    assert all(r["status"] in ("exact", "near-tie") for r in reports), reports
