@@ -5,7 +5,8 @@ side by side in one run: issue 35's measurements, for any CPU kind (say which).
 1. T(n) of the default target after 64 tokens for both (3 interleaved rounds, alternating twice),
    with T(4) / T(1).
 2. README command 1 (the chat in examples/edit_function.txt, 256 tokens): plain decoding and
-   the default speculation with each buffer choice, alternating, twice; decode tokens/s, the
+   the default speculation with each buffer choice, alternating, twice, each run from the same
+   suffix history (the one before the first); decode tokens/s, the
    chosen buffers' plain rate over plain memory's, speculation's speedup over the plain run of
    the same buffers, and parity of the two plain runs (exact, or a near-tie with its gap).
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from specdecode.api import Decoder
 from specdecode.assembly import registry
 from specdecode.backends.llama_buffers import BUFFERS_ENV
+from specdecode.bench.runner import history_as, history_keepers
 from specdecode.control.measure import measure_forward_curve
 from specdecode.parity import parity_report
 
@@ -67,11 +69,16 @@ def main() -> None:
         runs = [(name, plain) for name in names for plain in (True, False)]
         total = {r: [0, 0.0] for r in runs}
         plain_results: dict[str, list] = {name: [] for name in names}
+        # Each run starts from the suffix history as it was before the first (the same chat again
+        # would otherwise be drafted from its own earlier answer).
+        keepers = {name: history_keepers([dec.drafter]) for name, dec in decoders.items()}
+        before = {name: [k.history_state() for k in keepers[name]] for name in names}
         print()
         for rnd in range(2):
             for name, plain in runs if rnd == 0 else runs[::-1]:
-                r = decoders[name].generate(messages=messages, max_tokens=args.max_tokens, temperature=0, plain=plain,
-                                            record_top2_gaps=plain)
+                with history_as(keepers[name], before[name]):
+                    r = decoders[name].generate(messages=messages, max_tokens=args.max_tokens, temperature=0,
+                                                plain=plain, record_top2_gaps=plain)
                 total[name, plain][0] += r.stats.completion_tokens
                 total[name, plain][1] += r.stats.decode_s
                 if plain:
