@@ -219,6 +219,36 @@ class _CpuClock:
         return float(min(1.0, max(0.0, busy / total))) if total > 0 else None
 
 
+def _remeasure(ns: Sequence[int], samples: dict[int, list[float]], time_one: Callable[[int], float], rounds: int,
+               retries: int) -> tuple[set[int], set[int]]:
+    """Measure the implausible points of ``samples`` again (``rounds`` interleaved rounds of them
+    and of the smallest size, up to ``retries`` times), adding to ``samples``; returns the sizes
+    measured again and those confirmed: clearly cheaper than a smaller block and within
+    CONFIRM_MARGIN of their first median again (load only slows a forward, so a point that
+    looked slow is never confirmed)."""
+    medians = lambda: [float(np.median(samples[n])) for n in ns]  # noqa: E731
+    remeasured: set[int] = set()
+    confirmed: set[int] = set()
+    for _ in range(retries):
+        bad = unconfirmed_points(ns, medians(), confirmed)
+        if not bad:
+            break
+        again = sorted({ns[i] for i in bad} | {ns[0]})
+        remeasured.update(ns[i] for i in bad)
+        first = {n: float(np.median(samples[n])) for n in again}
+        fresh: dict[int, list[float]] = {n: [] for n in again}
+        for r in range(rounds):
+            for n in interleaved(again, r + 1):
+                fresh[n].append(time_one(n))
+        for n in again:
+            samples[n].extend(fresh[n])
+            now = float(np.median(fresh[n]))
+            cheap = any(now < (1 - FALL_MARGIN) * first.get(m, float(np.median(samples[m]))) for m in ns if m < n)
+            if cheap and abs(now / first[n] - 1.0) <= CONFIRM_MARGIN:
+                confirmed.add(n)
+    return remeasured, confirmed
+
+
 def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, rounds: int = 3,
                           retries: int = 2, timer: Callable[[], float] = time.perf_counter) -> Measurement:
     """Time forward(n tokens) after a context of ``context`` tokens, at each n in ns.
@@ -276,27 +306,7 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
         for n in interleaved(ns, r):
             samples[n].append(time_one(n))
     medians = lambda: [float(np.median(samples[n])) for n in ns]  # noqa: E731
-    remeasured: set[int] = set()
-    confirmed: set[int] = set()
-    for _ in range(retries):
-        bad = unconfirmed_points(ns, medians(), confirmed)
-        if not bad:
-            break
-        again = sorted({ns[i] for i in bad} | {ns[0]})
-        remeasured.update(ns[i] for i in bad)
-        first = {n: float(np.median(samples[n])) for n in again}
-        fresh: dict[int, list[float]] = {n: [] for n in again}
-        for r in range(rounds):
-            for n in interleaved(again, r + 1):
-                fresh[n].append(time_one(n))
-        for n in again:
-            samples[n].extend(fresh[n])
-            now = float(np.median(fresh[n]))
-            # Load only slows a forward: a point confirmed is one cheaper than a smaller block
-            # (a kernel's cheap size) that measures the same again, never one that looked slow.
-            cheap = any(now < (1 - FALL_MARGIN) * first.get(m, float(np.median(samples[m]))) for m in ns if m < n)
-            if cheap and abs(now / first[n] - 1.0) <= CONFIRM_MARGIN:
-                confirmed.add(n)
+    remeasured, confirmed = _remeasure(ns, samples, time_one, rounds, retries)
     for seq in range(used):
         backend.rollback(0, seq=seq)
     secs = medians()
