@@ -140,7 +140,10 @@ def _lib_dir() -> Path:
 
 
 def _lib(stem: str) -> ctypes.CDLL | None:
-    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
+    """The ggml library ``stem`` that llama.cpp itself loaded: by the name its library asks for
+    (``libggml-base.so.0``, its SONAME), as pip installs the other names as copies of the file,
+    and a copy would be loaded a second time, with its own state (log routing, backends)."""
+    for name in (f"lib{stem}.so.0", f"lib{stem}.so", f"lib{stem}.0.dylib", f"lib{stem}.dylib", f"{stem}.dll"):
         if (_lib_dir() / name).exists():
             try:
                 return ctypes.CDLL(str(_lib_dir() / name))
@@ -435,9 +438,12 @@ def cached_probe(path: str | Path, n_threads: int, folder: Path | None = None,
 def resolve_buffers(path: str | Path, n_threads: int) -> ModelBuffers:
     """The weights' placement for this model on this build and machine: the request
     (SPECDECODE_LLAMA_BUFFERS), else :func:`choose_buffers` with the cached probe on an AMX
-    build. Raises SpecDecodeError on a request this build cannot meet."""
+    build. Raises SpecDecodeError on a request this build cannot meet, ModelFileError (on an AMX
+    build) for a file whose tensor list cannot be read."""
     requested = requested_buffers()
     amx = amx_compiled()
     repack_found = repack_buffer_type() is not None if amx else True
+    if amx and requested is None:
+        gguf_tensors(path)  # a corrupt file is named now, not tried in a child and cached
     probe = cached_probe(path, n_threads) if amx and requested is None else None
     return model_buffers(choose_buffers(amx, repack_found, requested, probe), amx, path)
