@@ -149,8 +149,9 @@ def test_summary_sums_oracle_times_and_reports_the_fraction():
     none = summarize([row("chat", 20.0, 10.0)], ["ngram:3"])
     _oracle_keys_are_sane(none["ngram:3"]["overall"], defined=False)
     meta = {"target": "t", "prompts": 3, "temperature": 0.0, "threads": 2, "peak_rss_mb": 1.0,
-            "rss_before_peer_mb": 1.0, "peer": None}
+            "rss_before_peer_mb": 1.0, "peer": None, "weights": "repack (CPU_REPACK 597 MiB)"}
     md = markdown({"ngram:3": s, "other": none["ngram:3"]}, meta)
+    assert "2 threads, weights repack (CPU_REPACK 597 MiB), peak RSS" in md
     assert "| chat | 20.0 | 10.0 | 2.0x | 3.00x | 67% |" in md and "| 2.0x | - | - |" in md
     buf = io.StringIO()
     print_table({"meta": meta, "summary": {"ngram:3": s, "other": none["ngram:3"]}}, file=buf)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,6 +59,8 @@ def test_generate_streams_text_and_prints_stats(smollm_path):
             "--max-tokens", "16", "--stop", "\n\n", "--quiet")
     assert p.returncode == 0, p.stderr
     assert "acceptance_rate" in p.stderr and "decode_tokens_per_s" in p.stderr
+    # where llama.cpp keeps the weights, as it reported them (smollm2's Q4_1 has no CPU_REPACK kernel)
+    assert re.search(r"^weights: (repack|amx|none) \(CPU_Mapped \d+ MiB", p.stderr, re.M), p.stderr
     assert "\n\n" not in p.stdout.rstrip("\n")
 
 
