@@ -278,10 +278,11 @@ def test_a_curve_with_confirmed_cheap_sizes_is_cached_as_it_is(tmp_path, timed):
     """Read back from the cache, the confirmed sizes do not make the curve look implausible
     (which would measure it again at every start)."""
     target = ClockedTarget(REPACK)
-    first = costcache.cached_measurement(target, REPACK.ns, tmp_path)
+    told = []  # on_measure: a user is told when a start measures (and only then)
+    first = costcache.cached_measurement(target, REPACK.ns, tmp_path, on_measure=told.append)
     assert 4 in first.confirmed
-    assert costcache.cached_measurement(target, REPACK.ns, tmp_path) == first
-    assert timed.calls == [REPACK.ns]
+    assert costcache.cached_measurement(target, REPACK.ns, tmp_path, on_measure=told.append) == first
+    assert timed.calls == [REPACK.ns] and told == [REPACK.ns]
 
 
 def test_an_unobserved_cheap_size_stays_as_cheap_as_measured():

@@ -9,6 +9,7 @@ them (``-k auto``).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
     ns = sorted({n for n in COST_CURVE_NS if n <= kmax + 1} | {kmax + 1})
     if n_seq > 1:
         ns += [n for n in BATCH_COST_CURVE_NS if ns[-1] < n <= n_seq * (kmax + 1)]
-    measured = cached_measurement(target, ns, cache)
+    measured = cached_measurement(target, ns, cache, on_measure=_say_measuring if load_opts["progress"] else None)
     names = list(choice.names)
     if choice.default_model and default_draft_serves(target):
         names.append(registry.DEFAULT_DRAFT)
@@ -189,6 +190,11 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
                                        on_drift=lambda why, live: rewrite_from_live(target, cache, live, why))
     controller.measurement_note = measured.note()
     return controller
+
+
+def _say_measuring(ns) -> None:
+    print(f"specdecode: measuring the target's forward time T(n) at {len(ns)} sizes, once per model and machine "
+          "(cached: later starts skip it)...", file=sys.stderr, flush=True)
 
 
 def cached_invariance(target: Backend, seq: int) -> int:

@@ -13,7 +13,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..backends.base import Backend
 from ..files import write_text_atomic
@@ -67,7 +67,8 @@ def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
 
 
 def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
-                       max_age_s: float = COST_CACHE_MAX_AGE_S) -> Measurement:
+                       max_age_s: float = COST_CACHE_MAX_AGE_S,
+                       on_measure: Callable[[Sequence[int]], None] | None = None) -> Measurement:
     """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON
     cache. The curve is measured again when the cache was written under another key (a
     different model file, library build, thread count or CPU), for other ns, more than
@@ -77,7 +78,8 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
     A cached curve that may describe a busy machine (:func:`_suspect`: measured while other
     processes used the CPUs, or rewritten from live step times, which a busy machine sets) is
     checked first (:func:`check_curve`): when an idle check contradicts it, it is measured
-    again; when the check agrees it is marked checked and trusted from then on."""
+    again; when the check agrees it is marked checked and trusted from then on. on_measure(ns):
+    called just before a measurement (to tell a user why the start takes longer)."""
     key = machine_key(backend)
     path = cost_cache_path(backend, cache_dir)
     if not refresh and path.exists():
@@ -96,6 +98,8 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
                     return m
         except (ValueError, KeyError, TypeError):
             pass
+    if on_measure is not None:
+        on_measure(ns)
     m = measure_forward_curve(backend, ns)
     if tuple(m.curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
         write_text_atomic(path, json.dumps({**m.to_dict(), "model": backend.name, "key": key,
