@@ -60,9 +60,20 @@ def test_the_request_is_read_from_the_environment(monkeypatch):
         monkeypatch.setenv("SPECDECODE_LLAMA_BUFFERS", value)
         assert lb.requested_buffers() == choice
     monkeypatch.delenv("SPECDECODE_LLAMA_BUFFERS")
-    for value, choice in (("0", "none"), ("1", "repack")):  # the older switch
+    for value, choice in (("0", "none"), (" 1 ", "repack"), ("", None)):  # the older switch
         monkeypatch.setenv("SPECDECODE_LLAMA_REPACK", value)
         assert lb.requested_buffers() == choice
+    monkeypatch.setenv("SPECDECODE_LLAMA_BUFFERS", "none")
+    monkeypatch.setenv("SPECDECODE_LLAMA_REPACK", "0")
+    assert lb.requested_buffers() == "none"  # the two agree
+    monkeypatch.setenv("SPECDECODE_LLAMA_REPACK", "1")
+    with pytest.raises(SpecDecodeError, match=r"SPECDECODE_LLAMA_BUFFERS=none and SPECDECODE_LLAMA_REPACK=1 disagree"):
+        lb.requested_buffers()
+    monkeypatch.delenv("SPECDECODE_LLAMA_BUFFERS")
+    monkeypatch.setenv("SPECDECODE_LLAMA_REPACK", "yes")
+    with pytest.raises(SpecDecodeError, match=r"SPECDECODE_LLAMA_REPACK='yes' is not a choice: expected 0 \(none\) or 1"):
+        lb.requested_buffers()
+    monkeypatch.delenv("SPECDECODE_LLAMA_REPACK")
     monkeypatch.setenv("SPECDECODE_LLAMA_BUFFERS", "tiles")
     with pytest.raises(SpecDecodeError, match=r"SPECDECODE_LLAMA_BUFFERS='tiles' is not a choice: expected amx, repack, none"):
         lb.requested_buffers()
@@ -73,8 +84,43 @@ def test_amx_beats_repack_by_the_geometric_mean_of_the_ratios():
     assert not AmxProbe(True, "", {1: 1.0, 4: 1.0}, {1: 0.8, 4: 1.2}).amx_beats_repack()  # 0.96 < 1
     assert not AmxProbe(False, "killed by SIGSEGV", FAST, SLOW).amx_beats_repack()
     assert not AmxProbe(True, "", {}, SLOW).amx_beats_repack()
+    assert AmxProbe(True, "", {1: 1e-200}, {1: 1e200}).amx_beats_repack()  # no underflow to log(0)
     probe = AmxProbe(True, "", FAST, SLOW)
     assert AmxProbe.from_dict(json.loads(json.dumps(probe.to_dict()))) == probe
+
+
+@pytest.mark.parametrize("text", [
+    '{"survived": true, "detail": "", "amx": [], "repack": {}}', '{"survived": true, "amx": null, "repack": {}}',
+    '{"survived": "false", "amx": {"1": 1.0}, "repack": {}}', '{"survived": 1, "amx": {"1": 1.0}, "repack": {}}',
+    '{"survived": true, "amx": {"1": -1.0}, "repack": {}}', '{"survived": true, "amx": {"1": "x"}, "repack": {}}',
+    '{"survived": true, "amx": {"x": 1.0}, "repack": {}}', '[]', '"string"', '{not json', '\xff\xfe',
+])
+def test_a_hand_edited_probe_file_is_probed_again_and_replaced(tmp_path, text):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    calls = []
+
+    def probe(path, threads):
+        calls.append(threads)
+        return AmxProbe(True, "", FAST, SLOW)
+
+    lb.cached_probe(model, 2, tmp_path, probe)
+    (file,) = (tmp_path / "costs").glob("buffers-*.json")
+    file.write_bytes(text.encode("latin-1"))
+    assert lb.cached_probe(model, 2, tmp_path, probe) == AmxProbe(True, "", FAST, SLOW) and calls == [2, 2]
+    assert AmxProbe.from_dict(json.loads(file.read_text())) == AmxProbe(True, "", FAST, SLOW)
+
+
+def test_only_a_definitive_outcome_is_cached(tmp_path):
+    """A child killed from outside, timed out or unable to load says nothing about AMX: the next
+    start tries again. A crash signal is the kernels' own answer: kept."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    for outcome, kept in ((AmxProbe(False, "killed by SIGKILL", definitive=False), False),
+                          (AmxProbe(False, "killed by SIGSEGV"), True)):
+        folder = tmp_path / str(kept)
+        lb.cached_probe(model, 2, folder, lambda p, t: outcome)
+        assert bool(list((folder / "costs").glob("buffers-*.json"))) is kept
 
 
 # --- the probe, against fake children -----------------------------------------------------------
@@ -94,8 +140,11 @@ def test_a_child_killed_by_sigsegv_means_amx_is_not_used(tmp_path):
         print(json.dumps({"survived": True, "seconds": {"1": 0.1}}))
     """)
     probe = lb.probe_amx("model.gguf", 2, command=cmd)
-    assert probe == AmxProbe(False, "killed by SIGSEGV", {}, {})
+    assert probe == AmxProbe(False, "killed by SIGSEGV", {}, {}) and probe.definitive
     assert choose_buffers(True, True, None, probe) == "repack"
+    cmd = _child(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")  # killed from outside (an OOM kill)
+    probe = lb.probe_amx("model.gguf", 2, command=cmd)
+    assert probe == AmxProbe(False, "killed by SIGKILL") and not probe.definitive
 
 
 def test_a_child_that_crashes_after_the_two_token_forward_still_counts_as_a_crash(tmp_path):
@@ -111,11 +160,30 @@ def test_surviving_children_compare_their_curves(tmp_path):
         table = json.dumps({"amx": {str(n): s for n, s in amx.items()}, "repack": {str(n): s for n, s in repack.items()}})
         cmd = _child(tmp_path, f"""
             print(json.dumps({{"survived": True}}), flush=True)
-            print(json.dumps({{"survived": True, "seconds": {table}[buffers]}}))
+            held = {{"amx": {{"CPU_Mapped": 900.0, "AMX": 600.0}}, "repack": {{"CPU_Mapped": 900.0, "CPU_REPACK": 600.0}}}}
+            print(json.dumps({{"survived": True, "seconds": {table}[buffers], "weights": held[buffers]}}))
         """)
         probe = lb.probe_amx("model.gguf", 2, command=cmd)
         assert probe == AmxProbe(True, "", amx, repack)
         assert choose_buffers(True, True, None, probe) == expected
+
+
+def test_an_amx_child_with_no_weights_in_the_amx_buffer_does_not_count(tmp_path):
+    """A build with AMX kernels on a CPU without AMX: llama.cpp has no AMX buffer there and the
+    "amx" child ran CPU_REPACK; its timing must not label that choice "amx"."""
+    cmd = _child(tmp_path, """
+        print(json.dumps({"survived": True, "seconds": {"1": 0.01}, "weights": {"CPU_Mapped": 900.0, "CPU_REPACK": 600.0}}))
+    """)
+    probe = lb.probe_amx("model.gguf", 2, command=cmd)
+    assert not probe.survived and "no weights in its AMX buffer" in probe.detail and probe.definitive
+    assert choose_buffers(True, True, None, probe) == "repack"
+
+
+def test_a_child_printing_nonsense_times_does_not_survive(tmp_path):
+    cmd = _child(tmp_path, """
+        print(json.dumps({"survived": True, "seconds": {"1": "x"}, "weights": {"AMX": 1.0}}))
+    """)
+    assert lb.probe_amx("model.gguf", 2, command=cmd) == AmxProbe(False, "the child printed no result")
 
 
 def test_a_child_that_fails_or_hangs_says_why(tmp_path):
@@ -158,6 +226,10 @@ def test_the_real_child_reports_a_forward_and_its_curve(tmp_path):
     if not lb.amx_compiled():
         result, why = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_probe", str(path), "amx", "1"], 300)
         assert "has no AMX kernels" in why
+    for args, why in (([str(path), "", "1"], "BUFFERS '' is not a choice"), ([str(path), "none", "0"], "THREADS '0'"),
+                      ([str(tmp_path / "missing.gguf"), "none", "1"], "missing.gguf does not exist")):
+        result, said = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_probe", *args], 60)
+        assert result is None and why in said
 
 
 # --- placing weights in CPU_REPACK by name -----------------------------------------------------
@@ -187,6 +259,12 @@ def test_a_corrupt_file_gives_one_clear_error(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 100)
     with pytest.raises(ModelFileError, match="broken.gguf"):
         lb.gguf_tensors(bad)
+    # a header intact, its tensors' data cut off
+    half = tmp_path / "half.gguf"
+    with open(registry.resolve(registry.DEFAULT_DRAFT, progress=False), "rb") as f:
+        half.write_bytes(f.read(50_000_000))
+    with pytest.raises(ModelFileError, match=r"half.gguf: the file is truncated .*the file has 50000000\)"):
+        lb.gguf_tensors(half)
 
 
 def test_weights_placed_in_cpu_repack_by_name_equal_llama_cpps_own_placement(monkeypatch):

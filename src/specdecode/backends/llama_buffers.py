@@ -58,17 +58,23 @@ MATMUL_WEIGHT = re.compile(r"^(blk\.(\d+)\.(attn_(?:q|k|v|qkv|output)|ffn_(?:gat
 def requested_buffers() -> str | None:
     """The buffer choice the environment asks for: SPECDECODE_LLAMA_BUFFERS (amx, repack or
     none), else the older SPECDECODE_LLAMA_REPACK (0: none, 1: repack), else None (decide).
-    Raises SpecDecodeError for any other value, naming it."""
+    Raises SpecDecodeError for any other value, and when the two are set and disagree, naming
+    them."""
     value = os.environ.get(BUFFERS_ENV, "").strip().lower()
-    if value:
-        if value not in BUFFER_CHOICES:
-            raise SpecDecodeError(f"{BUFFERS_ENV}={os.environ[BUFFERS_ENV]!r} is not a choice: expected "
-                                  f"{', '.join(BUFFER_CHOICES)}")
-        return value
-    legacy = os.environ.get(LEGACY_REPACK_ENV)
-    if legacy in ("0", "1"):
-        return "repack" if legacy == "1" else "none"
-    return None
+    if value and value not in BUFFER_CHOICES:
+        raise SpecDecodeError(f"{BUFFERS_ENV}={os.environ[BUFFERS_ENV]!r} is not a choice: expected "
+                              f"{', '.join(BUFFER_CHOICES)}")
+    raw = os.environ.get(LEGACY_REPACK_ENV)
+    legacy = None
+    if raw is not None and raw.strip():
+        if raw.strip() not in ("0", "1"):
+            raise SpecDecodeError(f"{LEGACY_REPACK_ENV}={raw!r} is not a choice: expected 0 (none) or 1 (repack); "
+                                  f"{BUFFERS_ENV}=amx|repack|none replaces it")
+        legacy = "repack" if raw.strip() == "1" else "none"
+    if value and legacy and value != legacy:
+        raise SpecDecodeError(f"{BUFFERS_ENV}={value} and {LEGACY_REPACK_ENV}={raw.strip()} disagree: set one "
+                              f"({LEGACY_REPACK_ENV}={raw.strip()} means {legacy})")
+    return value or legacy
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,19 @@ class AmxProbe:
     detail: str = ""
     amx: dict[int, float] = field(default_factory=dict)
     repack: dict[int, float] = field(default_factory=dict)
+    # Whether the outcome is the AMX kernels' own (a run, or a crash signal) and so worth
+    # caching; not a child killed from outside, timed out or unable to load (not serialized).
+    definitive: bool = field(default=True, compare=False)
 
     def amx_beats_repack(self) -> bool:
         """Whether AMX's curve is faster: the geometric mean of T_amx(n) / T_repack(n) over the
         sizes both measured is below 1 (True when only AMX was measured)."""
-        common = [n for n in self.amx if n in self.repack and self.amx[n] > 0 and self.repack[n] > 0]
+        common = [n for n in self.amx if n in self.repack]
         if not self.survived or not self.amx:
             return False
         if not common:
             return not self.repack
-        return sum(math.log(self.amx[n] / self.repack[n]) for n in common) / len(common) < 0.0
+        return sum(math.log(self.amx[n]) - math.log(self.repack[n]) for n in common) < 0.0
 
     def to_dict(self) -> dict:
         return {"survived": self.survived, "detail": self.detail, "amx": {str(n): s for n, s in self.amx.items()},
@@ -98,8 +107,26 @@ class AmxProbe:
 
     @classmethod
     def from_dict(cls, d: dict) -> "AmxProbe":
-        return cls(bool(d["survived"]), str(d.get("detail", "")), {int(n): float(s) for n, s in d["amx"].items()},
-                   {int(n): float(s) for n, s in d["repack"].items()})
+        """Read back what :meth:`to_dict` wrote. Raises ValueError for anything else (a file
+        edited by hand): survived must be a boolean, times finite and positive."""
+        try:
+            if not isinstance(d["survived"], bool) or not isinstance(d.get("detail", ""), str):
+                raise ValueError("survived must be true or false")
+            return cls(d["survived"], d.get("detail", ""), _times(d["amx"]), _times(d["repack"]))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a probe result: {e}") from None
+
+
+def _times(d) -> dict[int, float]:
+    """{n: seconds} from JSON ({"1": 0.05, ...}); ValueError unless every time is a finite
+    positive number."""
+    if not isinstance(d, dict):
+        raise ValueError("times must be an object")
+    out = {int(n): s for n, s in d.items()}
+    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0
+               for s in out.values()):
+        raise ValueError("times must be finite and positive")
+    return {n: float(s) for n, s in out.items()}
 
 
 def choose_buffers(amx_compiled: bool, repack_found: bool, requested: str | None, probe: AmxProbe | None) -> str:
@@ -251,7 +278,7 @@ class _GgufInitParams(ctypes.Structure):
 def gguf_tensors(path: str | Path) -> list[tuple[str, int, tuple[int, int, int, int]]]:
     """The tensors of a GGUF file as (name, ggml type, ne [4]), read by ggml's own GGUF reader
     (``gguf_init_from_file``: the header only, in milliseconds). Raises ModelFileError when the
-    file cannot be read as GGUF."""
+    file cannot be read as GGUF, has no tensors, or is shorter than its tensors' data."""
     from .llama_lib import init_llama
 
     init_llama()  # ggml's messages go through specdecode's log routing
@@ -262,21 +289,30 @@ def gguf_tensors(path: str | Path) -> list[tuple[str, int, tuple[int, int, int, 
     for fn, args, res in ((base.gguf_init_from_file, [ctypes.c_char_p, _GgufInitParams], vp), (base.gguf_free, [vp], None),
                           (base.gguf_get_n_tensors, [vp], i64), (base.gguf_get_tensor_name, [vp, i64], ctypes.c_char_p),
                           (base.gguf_get_tensor_type, [vp, i64], ctypes.c_int),
-                          (base.gguf_get_tensor_ne, [vp, i64], ctypes.POINTER(i64))):
+                          (base.gguf_get_tensor_ne, [vp, i64], ctypes.POINTER(i64)),
+                          (base.gguf_get_data_offset, [vp], ctypes.c_size_t),
+                          (base.gguf_get_tensor_offset, [vp, i64], ctypes.c_size_t),
+                          (base.gguf_get_tensor_size, [vp, i64], ctypes.c_size_t)):
         fn.argtypes, fn.restype = args, res
     ctx = base.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
     if not ctx:
         raise ModelFileError(f"llama.cpp could not load model file {path}: the file is corrupt, truncated or not a "
                              "supported GGUF model (its tensor list cannot be read)")
     try:
-        out = []
+        out, end = [], 0
         for i in range(base.gguf_get_n_tensors(ctx)):
             ne = base.gguf_get_tensor_ne(ctx, i)
             out.append((base.gguf_get_tensor_name(ctx, i).decode("utf-8", "replace"), int(base.gguf_get_tensor_type(ctx, i)),
                         tuple(int(ne[d]) for d in range(4))))
-        return out
+            end = max(end, base.gguf_get_tensor_offset(ctx, i) + base.gguf_get_tensor_size(ctx, i))
+        data = base.gguf_get_data_offset(ctx)
     finally:
         base.gguf_free(ctx)
+    size = Path(path).stat().st_size
+    if not out or data + end > size:
+        why = "it has no tensors" if not out else f"its tensors end at byte {data + end}, the file has {size}"
+        raise ModelFileError(f"llama.cpp could not load model file {path}: the file is truncated or not a model ({why})")
+    return out
 
 
 def repack_overrides(tensors: Sequence[tuple[str, int, Sequence[int]]], supports: Callable[[int, int, int], bool]) -> list[str]:
@@ -339,7 +375,7 @@ def model_buffers(choice: str, amx: bool, path: str | Path) -> ModelBuffers:
         return ModelBuffers(choice, True)
     buft = repack_buffer_type()
     patterns = repack_overrides(gguf_tensors(path), lambda *k: repack_supports(buft, *k)) if buft else []
-    return ModelBuffers(choice if patterns else "none", False, patterns)
+    return ModelBuffers(choice, False, patterns)  # (no pattern: no weight CPU_REPACK supports, as without AMX)
 
 
 # --- the probe -------------------------------------------------------------------------------
@@ -395,43 +431,66 @@ def _run_child(command: Sequence[str], timeout_s: float) -> tuple[dict | None, s
     return result, ""
 
 
+# The ways a kernel fault ends a process: a probe that ended so is the AMX kernels' own answer.
+CRASH_SIGNALS = ("SIGSEGV", "SIGILL", "SIGBUS", "SIGABRT", "SIGFPE")
+AMX_BUFFER_NAME = "AMX"  # ggml's name for its AMX buffer type, as llama.cpp reports the weights' buffers
+
+
 def probe_amx(path: str | Path, n_threads: int, command: Sequence[str] | None = None,
               timeout_s: float = PROBE_TIMEOUT_S) -> AmxProbe:
     """Try the AMX buffer in a child process: it loads ``path`` with AMX, runs a 2-token forward
     (printing ``{"survived": true}``), then times T(n) at PROBE_NS and prints
-    ``{"survived": true, "seconds": {n: s}}``; a second child does the same with CPU_REPACK.
-    command: the child's argv before its arguments (model, buffers, threads); by default
-    ``python -m specdecode.backends.llama_probe``. A child killed by a signal, timing out or
-    failing counts as not surviving, with the reason in ``detail``."""
-    command = list(command or [sys.executable, "-m", "specdecode.backends.llama_probe"])
+    ``{"survived": true, "seconds": {n: s}, "weights": {buffer: MiB}}``; a second child does
+    the same with CPU_REPACK. command: the child's argv before its arguments (model, buffers,
+    threads); by default ``python -P -m specdecode.backends.llama_probe`` (-P: the working
+    folder cannot shadow specdecode).
 
-    def run(buffers: str) -> tuple[dict | None, str]:
-        return _run_child(command + [str(path), buffers, str(n_threads)], timeout_s)
+    AMX counts as surviving only where the child returned and llama.cpp put weights in its AMX
+    buffer (a build with AMX kernels on a CPU without AMX has no such buffer: the "amx" child
+    then ran CPU_REPACK). A child killed by a signal, timing out or failing counts as not
+    surviving, with the reason in ``detail``; only a crash signal (CRASH_SIGNALS) or a run is
+    ``definitive``, worth caching."""
+    command = list(command or [sys.executable, "-P", "-m", "specdecode.backends.llama_probe"])
 
-    amx, why = run("amx")
-    survived = bool(amx and amx.get("survived")) and not why
-    seconds = lambda r: {int(n): float(s) for n, s in ((r or {}).get("seconds") or {}).items()}  # noqa: E731
-    if not survived:
-        return AmxProbe(False, why or "the child printed no result", seconds(amx), {})
-    repack, _ = run("repack")
-    return AmxProbe(True, "", seconds(amx), seconds(repack))
+    def run(buffers: str) -> tuple[dict | None, dict[int, float] | None, str]:
+        result, why = _run_child(command + [str(path), buffers, str(n_threads)], timeout_s)
+        try:
+            seconds = _times(result.get("seconds")) if isinstance(result, dict) else None
+        except ValueError:
+            seconds = None
+        if not why and (seconds is None or not result.get("survived")):
+            why = "the child printed no result"
+        return result, seconds, why
+
+    amx, amx_s, why = run("amx")
+    if why:
+        crash = why.startswith("killed by ") and why.removeprefix("killed by ") in CRASH_SIGNALS
+        return AmxProbe(False, why, {}, {}, definitive=crash)
+    held = amx.get("weights") if isinstance(amx.get("weights"), dict) else {}
+    if AMX_BUFFER_NAME not in held:
+        return AmxProbe(False, f"llama.cpp put no weights in its {AMX_BUFFER_NAME} buffer on this CPU "
+                               f"(it held them in {', '.join(map(str, held)) or 'nothing reported'})", {}, {})
+    _, repack_s, _ = run("repack")
+    return AmxProbe(True, "", amx_s, repack_s or {})
 
 
 def cached_probe(path: str | Path, n_threads: int, folder: Path | None = None,
                  probe: Callable[[str | Path, int], AmxProbe] = probe_amx) -> AmxProbe:
-    """:func:`probe_amx` once per :func:`probe_key`, cached as JSON under ``<cache>/costs``."""
+    """:func:`probe_amx` once per :func:`probe_key`, cached as JSON under ``<cache>/costs`` when
+    its outcome is definitive (a file that cannot be read back is probed again and replaced)."""
     file = (folder or cache_dir()) / "costs" / f"buffers-{probe_key(path, n_threads)}.json"
     try:
         return AmxProbe.from_dict(json.loads(file.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         pass
     print("specdecode: trying llama.cpp's AMX kernels in a child process (once per build, machine and model)...",
           file=sys.stderr, flush=True)
     result = probe(path, n_threads)
-    try:
-        write_text_atomic(file, json.dumps(result.to_dict()))
-    except OSError:
-        pass
+    if result.definitive:
+        try:
+            write_text_atomic(file, json.dumps(result.to_dict()))
+        except OSError:
+            pass
     return result
 
 

@@ -24,14 +24,24 @@ def main(argv: list[str]) -> int:
         print("usage: python -m specdecode.backends.llama_probe MODEL BUFFERS THREADS", file=sys.stderr)
         return 2
     path, buffers, threads = argv
-    os.environ["SPECDECODE_LLAMA_BUFFERS"] = buffers
     from ..errors import SpecDecodeError
-    from .llama_buffers import PROBE_NS
+    from .llama_buffers import BUFFER_CHOICES, BUFFERS_ENV, LEGACY_REPACK_ENV, PROBE_NS
     from .llama_cpp import LlamaCppBackend
 
+    if buffers not in BUFFER_CHOICES:
+        print(f"llama_probe: BUFFERS {buffers!r} is not a choice: expected {', '.join(BUFFER_CHOICES)}", file=sys.stderr)
+        return 2
+    if not threads.isdigit() or int(threads) < 1:
+        print(f"llama_probe: THREADS {threads!r} is not a positive whole number", file=sys.stderr)
+        return 2
+    if not os.path.isfile(path):
+        print(f"llama_probe: model file {path} does not exist", file=sys.stderr)
+        return 2
+    os.environ[BUFFERS_ENV] = buffers
+    os.environ.pop(LEGACY_REPACK_ENV, None)
     try:
         backend = LlamaCppBackend(path, n_ctx=256, n_threads=int(threads))
-    except (SpecDecodeError, ValueError) as e:
+    except SpecDecodeError as e:
         print(f"llama_probe: {e}", file=sys.stderr)
         return 2
     context = [100 + (7 * i) % 5000 for i in range(64)]
