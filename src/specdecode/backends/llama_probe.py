@@ -4,10 +4,11 @@ with the weights in one buffer type, run a 2-token forward, and time T(n).
     python -m specdecode.backends.llama_probe MODEL BUFFERS THREADS
 
 BUFFERS: amx, repack or none. Prints ``{"survived": true}`` once a 2-token forward after a
-64-token context has returned (a crash in a kernel kills this process, not its parent), then
-``{"survived": true, "seconds": {"n": s}, "weights": {...}}``: T(n) in seconds at PROBE_NS, the
-median of 3 interleaved rounds, and the buffer types holding the weights (MiB, as llama.cpp
-reported them). Exit status 2 with one line on stderr when the model does not load.
+64-token context and a 128-token one (a prompt's prefill) have returned (a crash in a kernel
+kills this process, not its parent), then ``{"survived": true, "seconds": {"n": s},
+"weights": {...}}``: T(n) in seconds at PROBE_NS, the median of 3 interleaved rounds, and the
+buffer types holding the weights (MiB, as llama.cpp reported them). Exit status 2 with one
+line on stderr when the arguments are wrong or the model does not load.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import os
 import statistics
 import sys
 import time
+
+
+PREFILL_ROWS = 128  # a prefill-sized forward: a prompt is forwarded in blocks of up to n_batch rows
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +50,9 @@ def main(argv: list[str]) -> int:
         return 2
     context = [100 + (7 * i) % 5000 for i in range(64)]
     backend.forward(context, logits_for=[])
-    backend.forward([101, 102], logits_for=[0, 1])
+    backend.forward([101, 102], logits_for=[0, 1])  # the size that crashes in llama.cpp #20824
+    backend.rollback(64)
+    backend.forward([300 + i for i in range(PREFILL_ROWS)], logits_for=[PREFILL_ROWS - 1])  # a prompt's prefill
     print(json.dumps({"survived": True}), flush=True)
     backend.rollback(64)
     samples: dict[int, list[float]] = {n: [] for n in PROBE_NS}
