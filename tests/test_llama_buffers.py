@@ -89,13 +89,9 @@ def test_amx_beats_repack_by_the_geometric_mean_of_the_ratios():
     assert AmxProbe.from_dict(json.loads(json.dumps(probe.to_dict()))) == probe
 
 
-@pytest.mark.parametrize("text", [
-    '{"survived": true, "detail": "", "amx": [], "repack": {}}', '{"survived": true, "amx": null, "repack": {}}',
-    '{"survived": "false", "amx": {"1": 1.0}, "repack": {}}', '{"survived": 1, "amx": {"1": 1.0}, "repack": {}}',
-    '{"survived": true, "amx": {"1": -1.0}, "repack": {}}', '{"survived": true, "amx": {"1": "x"}, "repack": {}}',
-    '{"survived": true, "amx": {"x": 1.0}, "repack": {}}', '[]', '"string"', '{not json', '\xff\xfe',
-])
-def test_a_hand_edited_probe_file_is_probed_again_and_replaced(tmp_path, text):
+@pytest.fixture
+def counting_probe(tmp_path):
+    """(a model file, a probe that always finds AMX faster, the thread counts it was called with)."""
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     calls = []
@@ -104,6 +100,17 @@ def test_a_hand_edited_probe_file_is_probed_again_and_replaced(tmp_path, text):
         calls.append(threads)
         return AmxProbe(True, "", FAST, SLOW)
 
+    return model, probe, calls
+
+
+@pytest.mark.parametrize("text", [
+    '{"survived": true, "detail": "", "amx": [], "repack": {}}', '{"survived": true, "amx": null, "repack": {}}',
+    '{"survived": "false", "amx": {"1": 1.0}, "repack": {}}', '{"survived": 1, "amx": {"1": 1.0}, "repack": {}}',
+    '{"survived": true, "amx": {"1": -1.0}, "repack": {}}', '{"survived": true, "amx": {"1": "x"}, "repack": {}}',
+    '{"survived": true, "amx": {"x": 1.0}, "repack": {}}', '[]', '"string"', '{not json', '\xff\xfe',
+])
+def test_a_hand_edited_probe_file_is_probed_again_and_replaced(tmp_path, counting_probe, text):
+    model, probe, calls = counting_probe
     lb.cached_probe(model, 2, tmp_path, probe)
     (file,) = (tmp_path / "costs").glob("buffers-*.json")
     file.write_bytes(text.encode("latin-1"))
@@ -196,15 +203,8 @@ def test_a_child_that_fails_or_hangs_says_why(tmp_path):
     assert lb.probe_amx("model.gguf", 2, command=cmd, timeout_s=1) == AmxProbe(False, "timed out after 1 s")
 
 
-def test_the_probe_is_cached_per_build_machine_threads_and_model(tmp_path):
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    calls = []
-
-    def probe(path, threads):
-        calls.append(threads)
-        return AmxProbe(True, "", FAST, SLOW)
-
+def test_the_probe_is_cached_per_build_machine_threads_and_model(tmp_path, counting_probe):
+    model, probe, calls = counting_probe
     assert lb.cached_probe(model, 2, tmp_path, probe) == AmxProbe(True, "", FAST, SLOW)
     assert lb.cached_probe(model, 2, tmp_path, probe) == AmxProbe(True, "", FAST, SLOW)
     assert calls == [2]
