@@ -10,6 +10,7 @@ routing is shared with it.
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 from ..errors import ModelFileError, SpecDecodeError
@@ -51,6 +52,7 @@ class _GgmlInitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
+@functools.lru_cache(maxsize=None)  # the libraries and their signatures: set once
 def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL] | None:
     """(libggml-base, libggml) with the signatures used here, or None where not found."""
     base, reg = _lib("ggml-base"), _lib("ggml")
@@ -74,6 +76,7 @@ GGML_TYPE_F32 = 0
 _TENSOR_BUFFER_OFFSET = 8  # struct ggml_tensor { enum ggml_type type; struct ggml_backend_buffer * buffer; ...}
 
 
+@functools.lru_cache(maxsize=None)  # a process-wide constant of the loaded library
 def repack_buffer_type() -> int | None:
     """The CPU_REPACK buffer type (a ``ggml_backend_buffer_type_t``, as an int) among the CPU
     device's extra buffer types, found by name; None where this build has none."""

@@ -350,3 +350,27 @@ def resolve_buffers(path: str | Path, n_threads: int) -> ModelBuffers:
         gguf_tensors(path)  # a corrupt file is named now, not tried in a child and cached
     probe = cached_probe(path, n_threads) if amx and requested is None else None
     return model_buffers(choose_buffers(amx, repack_found, requested, probe), amx, path)
+
+
+def load_model(path: str | Path, n_threads: int) -> tuple[int | None, str, dict[str, float]]:
+    """llama.cpp's model of a GGUF file (a ``llama_model`` pointer; None when llama.cpp cannot
+    load it), its weights in the buffer type chosen for this build and machine
+    (:func:`resolve_buffers`): (model, the choice, the buffer types llama.cpp reported holding
+    the weights, {name: MiB}). Weights placed in CPU_REPACK by name that fail to load are loaded
+    again in plain memory."""
+    import llama_cpp
+
+    from .llama_lib import weight_buffer_log
+
+    placement = resolve_buffers(path, n_threads)
+    for attempt in (placement, ModelBuffers("none", False) if placement.patterns else None):
+        if attempt is None:
+            break
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        attempt.apply(mparams)
+        with weight_buffer_log() as seen:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), mparams)
+        if model:
+            return model, attempt.choice, dict(seen)
+    return None, "none", {}

@@ -18,8 +18,8 @@ from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 from ..trees.llama_forward import forward_tree, keep_rows
-from .llama_buffers import ModelBuffers, resolve_buffers
-from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error, weight_buffer_log
+from .llama_buffers import load_model
+from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -106,7 +106,7 @@ class LlamaCppBackend(BackendBase):
         self._ctx = None
         self._batch = None
 
-        model = self._load_model(n_threads)
+        model, self._buffers, self._weight_buffers = load_model(self.path, n_threads)
         if not model:
             raise ModelFileError(
                 f"llama.cpp could not load model file {self.path}: the file is corrupt, truncated or not a "
@@ -141,26 +141,6 @@ class LlamaCppBackend(BackendBase):
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
-
-    def _load_model(self, n_threads: int):
-        """llama.cpp's model, its weights in the buffer type chosen for this build and machine
-        (:func:`.llama_buffers.resolve_buffers`); weights placed in CPU_REPACK one by one that
-        fail to load are loaded again in plain memory. None when llama.cpp cannot load the file."""
-        placement = resolve_buffers(self.path, n_threads)
-        for attempt in (placement, None):
-            if attempt is None:
-                if not placement.patterns:
-                    return None
-                attempt = ModelBuffers("none", False)
-            mparams = self._lib.llama_model_default_params()
-            mparams.n_gpu_layers = 0
-            attempt.apply(mparams)
-            with weight_buffer_log() as seen:
-                model = self._lib.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
-            if model:
-                self._buffers, self._weight_buffers = attempt.choice, dict(seen)
-                return model
-        return None
 
     def _context_params(self, n_ctx: int, n_seq: int, tree_branches: int, kv_per_sequence: bool, n_threads: int):
         """llama.cpp's context parameters: n_seq sequences of n_ctx cells (one unified buffer
