@@ -27,10 +27,12 @@ Each replica's own Prometheus endpoint stays reachable at ``metrics_port + rank`
 from __future__ import annotations
 
 import os
+import re
 import time
 import typing
 from typing import Any
 
+from .. import errors
 from ..errors import SpecDecodeError
 from .config import ServerOptions, convert_strings
 
@@ -119,7 +121,12 @@ def serve_replicas(decoder_kwargs: dict, options: ServerOptions, block: bool = T
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": options.host, "port": options.port})
-    serve.run(build_deployment(decoder_kwargs, options), name=DEPLOYMENT_NAME, route_prefix="/")
+    try:
+        serve.run(build_deployment(decoder_kwargs, options), name=DEPLOYMENT_NAME, route_prefix="/")
+    except RuntimeError as e:  # a replica failed to start: say why, as the single server would
+        status = _deployment_message(serve)
+        shutdown()
+        raise replica_error(status, str(e)) from None
     if not block:
         return
     replicas = (options.replicas or 1) if options.autoscaling is None else "autoscaled"
@@ -132,6 +139,38 @@ def serve_replicas(decoder_kwargs: dict, options: ServerOptions, block: bool = T
         pass
     finally:
         shutdown()
+
+
+def _deployment_message(serve) -> str:
+    """The deployment's status message from Serve (a failed replica's traceback), or ""."""
+    try:
+        app = serve.status().applications.get(DEPLOYMENT_NAME)
+        deployment = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+        return (deployment.message if deployment is not None else app.message if app is not None else "") or ""
+    except Exception:  # Serve itself is in trouble: the caller names Serve's own error
+        return ""
+
+
+_RAISED = re.compile(r"^specdecode\.errors\.(\w+): (.+)$", re.MULTILINE)
+
+
+def replica_error(status_message: str, serve_error: str) -> SpecDecodeError:
+    """The error to show for a deployment whose replicas failed to start.
+
+    status_message: the deployment's status message from Serve, which ends with the failed
+    replica's traceback; where that traceback ends with one of specdecode's errors (a missing
+    or corrupt model file, incompatible vocabularies, an out-of-range option), that error,
+    of the same class, with its own message. Otherwise a SpecDecodeError quoting the last
+    line of the replica's traceback (or serve_error, Serve's own message, where there is none).
+    """
+    raised = _RAISED.findall(status_message)
+    if raised:
+        name, message = raised[-1]
+        cls = getattr(errors, name, SpecDecodeError)
+        return cls(message) if isinstance(cls, type) and issubclass(cls, SpecDecodeError) else SpecDecodeError(message)
+    lines = [line.strip() for line in status_message.strip().splitlines() if line.strip()]
+    why = lines[-1] if lines else serve_error
+    return SpecDecodeError(f"the Ray Serve replicas did not start: {why}")
 
 
 def shutdown() -> None:
