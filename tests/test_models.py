@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import zipfile
 from pathlib import Path
 

@@ -18,12 +18,15 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
 from .stats import Stats
 from .textstream import TextAssembler
+
+if TYPE_CHECKING:  # engine.core imports this module
+    from .engine.core import Generation
 
 
 @dataclass
