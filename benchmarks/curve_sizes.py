@@ -29,6 +29,7 @@ from specdecode.bench.suite import load_prompts, select_prompts
 from specdecode.control.costmodel import CostCurve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flash_attention import interleaved  # noqa: E402
 from strict_cost import cpu_name  # noqa: E402
 
 SPARSE = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
@@ -70,21 +71,16 @@ def main() -> None:
         runs = [("every size", False), ("sparse", False), ("every size", True)]
         total = {r: [0, 0.0] for r in runs}
         blocks = {name: collections.Counter() for name in CONFIGS}
-        same = 0
-        for i, p in enumerate(prompts):
-            answers = {}
-            for name, plain in runs[i % 3:] + runs[:i % 3]:
-                dec = decoders[name]
-                r = dec.generate_ids(dec.prompt_ids(p.prompt, p.messages, p.tools), max_tokens=p.max_tokens,
-                                     temperature=0, grammar=p.grammar, plain=plain)
-                total[name, plain][0] += r.stats.completion_tokens
-                total[name, plain][1] += r.stats.decode_s
-                answers[name, plain] = r.token_ids
-                if not plain:
-                    blocks[name].update({int(k) + 1: v for k, v in r.stats.k_histogram.items() if int(k) > 0})
-                print(f"{p.id} {name}{' plain' if plain else ''}: {r.stats.completion_tokens} tokens, "
-                      f"{r.stats.target_forward_passes} passes, {r.stats.decode_tokens_per_s:.1f} tok/s", flush=True)
-            same += answers["every size", False] == answers["sparse", False]
+        answers = {}
+        for i, p, (name, plain), r in interleaved(decoders, prompts, runs):
+            total[name, plain][0] += r.stats.completion_tokens
+            total[name, plain][1] += r.stats.decode_s
+            answers[name, plain, i] = r.token_ids
+            if not plain:
+                blocks[name].update({int(k) + 1: v for k, v in r.stats.k_histogram.items() if int(k) > 0})
+            print(f"{p.id} {name}{' plain' if plain else ''}: {r.stats.completion_tokens} tokens, "
+                  f"{r.stats.target_forward_passes} passes, {r.stats.decode_tokens_per_s:.1f} tok/s", flush=True)
+        same = sum(answers["every size", False, i] == answers["sparse", False, i] for i in range(len(prompts)))
         rate = {r: n / s for r, (n, s) in total.items()}
         plain = rate["every size", True]
         print("\n| curve | tok/s | speedup over plain | blocks verified (K+1: steps) |\n|---|---|---|---|")

@@ -55,20 +55,28 @@ def curves(decoders: dict, contexts: list[int]) -> list[str]:
     return lines
 
 
+def interleaved(decoders: dict, prompts, runs: list[tuple[str, bool]]):
+    """Each prompt greedy under every (decoder name, plain) of runs, the order rotated by one
+    per prompt so that no run always goes first; yields (prompt index, prompt, run, result)."""
+    for i, p in enumerate(prompts):
+        first = i % len(runs)
+        for name, plain in runs[first:] + runs[:first]:
+            dec = decoders[name]
+            yield i, p, (name, plain), dec.generate_ids(dec.prompt_ids(p.prompt, p.messages, p.tools),
+                                                        max_tokens=p.max_tokens, temperature=0, grammar=p.grammar,
+                                                        plain=plain)
+
+
 def decoding(decoders: dict, prompts) -> list[str]:
     runs = [(mode, plain) for mode in MODES for plain in (False, True)]
     total = {r: [0, 0.0] for r in runs}
     answers = {}
-    for i, p in enumerate(prompts):
-        for mode, plain in runs[i % 4:] + runs[:i % 4]:
-            dec = decoders[mode]
-            r = dec.generate_ids(dec.prompt_ids(p.prompt, p.messages, p.tools), max_tokens=p.max_tokens,
-                                 temperature=0, grammar=p.grammar, plain=plain)
-            total[mode, plain][0] += r.stats.completion_tokens
-            total[mode, plain][1] += r.stats.decode_s
-            answers[mode, plain, i] = r.token_ids
-            print(f"{p.id} flash attention {mode}{' plain' if plain else ''}: {r.stats.completion_tokens} tokens, "
-                  f"{r.stats.decode_tokens_per_s:.1f} tok/s", flush=True)
+    for i, p, (mode, plain), r in interleaved(decoders, prompts, runs):
+        total[mode, plain][0] += r.stats.completion_tokens
+        total[mode, plain][1] += r.stats.decode_s
+        answers[mode, plain, i] = r.token_ids
+        print(f"{p.id} flash attention {mode}{' plain' if plain else ''}: {r.stats.completion_tokens} tokens, "
+              f"{r.stats.decode_tokens_per_s:.1f} tok/s", flush=True)
     rate = {r: n / s for r, (n, s) in total.items()}
     same = sum(answers["off", False, i] == answers["auto", False, i] for i in range(len(prompts)))
     return ["| flash attention | default tok/s | plain tok/s | speedup over its plain |", "|---|---|---|---|"] + [
