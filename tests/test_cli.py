@@ -72,6 +72,8 @@ def test_generate_streams_text_and_prints_stats(smollm_path):
         (["--max-tokens", "0"], ["--max-tokens 0"]),
         (["--num-speculative-tokens", "99"], ["--num-speculative-tokens 99"]),
         (["--logprobs", "50"], ["--logprobs 50"]),
+        (["--threads", "100000"], ["--threads 100000 is out of range: expected 1..512"]),  # llama.cpp: SIGSEGV
+        (["--threads", "4294967297"], ["--threads 4294967297 is out of range"]),  # would wrap to 1 in C
         (["--draft-vocab", "-5"], ["--draft-vocab", "-5 is out of range"]),
         (["--draft-vocab", "100"], ["draft_vocab = 100 applies to a draft model; draft 'none'"]),
         (["--draft", SMOL, "--draft-vocab", "100"], ["--draft-backend torch", "LlamaCppBackend"]),

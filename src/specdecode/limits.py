@@ -35,6 +35,9 @@ COST_CURVE_NS = tuple(range(1, AUTO_KMAX + 2))
 # (--parallel > 1): a batched step holds every generation's block (up to
 # generations * (AUTO_KMAX + 1) tokens); past the last point T(n) is extrapolated linearly.
 BATCH_COST_CURVE_NS = (48, 64, 96, 128)
+# CPU threads a model may use (--threads, n_threads): ggml's own limit (GGML_MAX_N_THREADS in
+# ggml.h); llama.cpp given more crashes (SIGSEGV at 100000, std::bad_alloc beyond).
+MAX_THREADS = 512
 # logprobs: the most likely tokens reported per emitted token (OpenAI's limit).
 MAX_LOGPROBS = 20
 # n, choices per server request. A request's choices run one after another in the one

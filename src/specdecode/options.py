@@ -19,7 +19,7 @@ from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
 from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
                      SAMPLING_RULES,
-                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
+                     MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MAX_THREADS, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
                      check_tree_width, check_max_tree_nodes, DEFAULT_TREE_NODES, DEFAULT_TREE_WIDTH, MAX_TREE_NODES)
 from .sampling import SamplingParams
 
@@ -141,8 +141,8 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.ctx_size < MIN_N_CTX:
         raise SpecDecodeError(f"--ctx-size {args.ctx_size} is out of range: expected >= {MIN_N_CTX}",
                               param="--ctx-size")
-    if args.threads is not None and args.threads < 1:
-        raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        raise SpecDecodeError(f"--threads {args.threads} is out of range: expected 1..{MAX_THREADS}", param="--threads")
     check_parallel(vars(args).get("parallel", 1), "--parallel")
     check_tree_width(vars(args).get("tree_width", DEFAULT_TREE_WIDTH), "--tree-width")
     check_max_tree_nodes(vars(args).get("max_tree_nodes"), "--max-tree-nodes")

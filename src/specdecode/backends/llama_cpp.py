@@ -15,7 +15,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
-from ..limits import MIN_N_CTX, check_text
+from ..limits import MAX_THREADS, MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 from ..trees.llama_forward import forward_tree, keep_rows
 from .llama_buffers import load_model
@@ -92,8 +92,9 @@ class LlamaCppBackend(BackendBase):
         if n_ctx < MIN_N_CTX:
             raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= {MIN_N_CTX}", param="n_ctx")
         n_threads = default_threads() if n_threads is None else n_threads
-        if n_threads < 1:
-            raise SpecDecodeError(f"n_threads = {n_threads} is out of range: expected n_threads >= 1")
+        if not 1 <= n_threads <= MAX_THREADS:
+            raise SpecDecodeError(f"n_threads = {n_threads} is out of range: expected 1..{MAX_THREADS}",
+                                  param="n_threads")
         max_seq = int(llama_cpp.llama_max_parallel_sequences())
         if not 1 <= n_seq <= max_seq:
             raise SpecDecodeError(f"n_seq = {n_seq} is out of range: llama.cpp holds 1..{max_seq} sequences")

@@ -43,7 +43,7 @@ from typing import Any, Collection, Iterable, Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
-from ..limits import is_index
+from ..limits import MAX_THREADS, is_index
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
 
 # Elements of each parameter hashed into the cost key (strided over the tensor): enough to
@@ -139,8 +139,9 @@ class ModuleBackend(BackendBase):
             raise SpecDecodeError(f"codebook must be a non-empty name, got {codebook!r}", param="codebook")
         if not isinstance(kv_cache, bool):
             raise SpecDecodeError(f"kv_cache must be True or False, got {kv_cache!r}", param="kv_cache")
-        if n_threads is not None and (not is_index(n_threads) or n_threads < 1):
-            raise SpecDecodeError(f"n_threads = {n_threads!r} is out of range: expected an integer >= 1 or None",
+        if n_threads is not None and (not is_index(n_threads) or not 1 <= n_threads <= MAX_THREADS):
+            raise SpecDecodeError(f"n_threads = {n_threads!r} is out of range: expected an integer 1..{MAX_THREADS} "
+                                  "or None",
                                   param="n_threads")
         if n_threads is not None:
             torch.set_num_threads(int(n_threads))

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ..errors import SpecDecodeError
-from ..limits import DTYPES, check_parallel
+from ..limits import DTYPES, MAX_THREADS, check_parallel
 
 
 TARGET_HELP = "registry name, .gguf path or Hugging Face folder (default: %(default)s)"
@@ -118,8 +118,9 @@ def cmd_heads_train(args: argparse.Namespace) -> int:
         # Found before the half hour of training, not after it.
         raise SpecDecodeError(f"--out {out} cannot be written: {existing} is not a writable folder", param="--out")
     if args.threads is not None:
-        if args.threads < 1:
-            raise SpecDecodeError(f"--threads {args.threads} is out of range: expected >= 1", param="--threads")
+        if not 1 <= args.threads <= MAX_THREADS:
+            raise SpecDecodeError(f"--threads {args.threads} is out of range: expected 1..{MAX_THREADS}",
+                                  param="--threads")
         import torch
 
         torch.set_num_threads(args.threads)
