@@ -59,6 +59,11 @@ BAD = [
     ("c", {"model": MODEL, "prompt": "hi", "temperature": True}, 400, "temperature", "temperature must be a number"),
     ("c", {"model": MODEL, "prompt": "hi", "temperature": float("inf")}, 400, "temperature",
      "temperature must be a number"),
+    # an integer beyond float's range (JSON allows any length): a 400, not an OverflowError's 500
+    ("x", {"model": MODEL, "messages": CHAT, "temperature": 10 ** 400}, 400, "temperature",
+     "temperature must be a number, got 1000"),
+    ("x", {"model": MODEL, "messages": CHAT, "top_p": -10 ** 400}, 400, "top_p", "top_p must be a number"),
+    ("x", {"model": MODEL, "messages": CHAT, "max_tokens": 10 ** 400}, 400, "max_tokens", "..."),
     # Ranges owned by SamplingParams: the message is its own, so only the field is asserted.
     ("c", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
     ("c", {"model": MODEL, "prompt": "hi", "top_k": -1}, 400, "top_k", "top_k"),

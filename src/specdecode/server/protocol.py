@@ -101,6 +101,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_finite_number(x: Any) -> bool:
+    """An int or float that converts to a finite float (JSON allows integers of any length:
+    1 followed by 400 zeros is beyond float's range, and math.isfinite raises on it)."""
+    if _is_int(x):
+        try:
+            return math.isfinite(float(x))
+        except OverflowError:
+            return False
+    return isinstance(x, float) and math.isfinite(x)
+
+
 class _Body:
     """Typed access to a request body's fields; every failure is a 400 naming the field.
 
@@ -127,12 +138,12 @@ class _Body:
             name = self.prefix + name
             lo_s = f"{lo} <= " if lo is not None else ""
             hi_s = f" <= {hi}" if hi is not None else ""
-            raise APIError(400, f"{name} = {v} is out of range: expected {lo_s}{name}{hi_s}{why}", param=name)
+            raise APIError(400, f"{name} = {json_repr(v)} is out of range: expected {lo_s}{name}{hi_s}{why}",
+                           param=name)
         return v
 
     def number(self, name: str) -> float | None:
-        v = self._typed(name, lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x),
-                        "a number")
+        v = self._typed(name, _is_finite_number, "a number")
         return None if v is None else float(v)
 
     def boolean(self, name: str) -> bool | None:
