@@ -152,6 +152,40 @@ def test_old_or_drifted_curve_is_measured_again(tmp_path, measured):
     assert len(measured) == 4
 
 
+@pytest.mark.parametrize("text", [
+    "[]", '"x"', "5", "null", "{", "[" * 100_000,  # not an object; cut off; nested beyond the parser
+    '{"ns": [1, 2, 3], "seconds": [0, 0, 0]}',  # zeros would divide by zero
+    '{"ns": [1, 2, 3], "seconds": [NaN, NaN, NaN]}',  # NaN would never draft
+    '{"ns": [1, 2, 3], "seconds": [Infinity, 1, 1]}', '{"ns": [1, 2, 3], "seconds": [1e300, 1e300, 1e300]}',
+    '{"ns": [1, 2, 3], "seconds": [0.01, 0.02, 0.03], "others_cpu": 1' + "0" * 400 + "}",  # beyond float
+    '{"ns": [1, 2, 3], "seconds": [0.01, 0.02, 0.03], "measured_at": 1' + "0" * 400 + "}",
+    '{"ns": [1, 2, 3], "seconds": [0.01, 0.02, 0.03], "confirmed": 5}',
+    '{"ns": "abc", "seconds": [0.01, 0.02, 0.03]}',
+])
+def test_a_corrupt_cached_curve_is_measured_again_and_replaced(tmp_path, measured, text):
+    t = FakeTarget()
+    path = costcache.cost_cache_path(t, tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    assert cached_forward_curve(t, [1, 2, 3], tmp_path) == CostCurve((1, 2, 3), (0.01, 0.02, 0.03))
+    assert len(measured) == 1
+    cached_forward_curve(t, [1, 2, 3], tmp_path)  # replaced by the measurement: read back from now on
+    assert len(measured) == 1
+
+
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, measured, capsys):
+    t = FakeTarget()
+    (tmp_path / "costs").write_text("a file where the folder should be")
+    assert cached_forward_curve(t, [1, 2, 3], tmp_path) == CostCurve((1, 2, 3), (0.01, 0.02, 0.03))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "specdecode: warning: cannot keep" in err and "$SPECDECODE_CACHE" in err
+    # a folder where the file should be: read as no curve, and not replaced
+    other = tmp_path / "other"
+    costcache.cost_cache_path(t, other).mkdir(parents=True)
+    cached_forward_curve(t, [1, 2, 3], other)
+    assert len(measured) == 2 and "cannot keep" in capsys.readouterr().err
+
+
 def test_explain_says_why_a_costly_draft_model_is_not_used():
     class Model(DrafterBase):
         name = "model"

@@ -82,6 +82,22 @@ def test_the_probe_is_cached_per_machine(tmp_path, monkeypatch):
     assert calls == [0, 0]
 
 
+@pytest.mark.parametrize("text", ["[]", "[" * 100_000, '{"key": "k1", "invariant_block": 100000, "measured_at": 0}',
+                                  '{"key": "k1", "invariant_block": 0, "measured_at": 0}',
+                                  '{"key": "k1", "invariant_block": 3, "measured_at": 1' + "0" * 400 + "}"])
+def test_a_corrupt_cached_block_is_measured_again(tmp_path, monkeypatch, text):
+    import specdecode.control.invariance as inv
+
+    calls = []
+    monkeypatch.setattr(inv, "measure_invariant_block", lambda b, seq: calls.append(seq) or 3)
+    monkeypatch.setattr(inv, "machine_key", lambda b: "k1")
+    monkeypatch.setattr(inv.time, "time", lambda: 1000.0)
+    (tmp_path / "costs").mkdir()
+    (tmp_path / "costs" / "k1.invariant.json").write_text(text)
+    assert cached_invariant_block(VariantLM(n_seq=1), 0, tmp_path) == 3 and calls == [0]
+    assert cached_invariant_block(VariantLM(n_seq=1), 0, tmp_path) == 3 and calls == [0]  # replaced
+
+
 DRAFTERS = {"ngram": lambda t: NgramDrafter(), "suffix": lambda t: SuffixDrafter(), "draft-model": draft_model}
 
 

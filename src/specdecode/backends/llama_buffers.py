@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import SpecDecodeError
-from ..files import cache_dir, write_text_atomic
+from ..files import cache_dir, read_cache_json, write_cache_json
 from .ggml_ctypes import REPACK_NAME, _lib_dir, amx_compiled, gguf_tensors, repack_buffer_type, repack_supports
 
 BUFFERS_ENV = "SPECDECODE_LLAMA_BUFFERS"
@@ -323,18 +323,17 @@ def cached_probe(path: str | Path, n_threads: int, folder: Path | None = None,
     """:func:`probe_amx` once per :func:`probe_key`, cached as JSON under ``<cache>/costs`` when
     its outcome is definitive (a file that cannot be read back is probed again and replaced)."""
     file = (folder or cache_dir()) / "costs" / f"buffers-{probe_key(path, n_threads)}.json"
-    try:
-        return AmxProbe.from_dict(json.loads(file.read_text()))
-    except (OSError, ValueError):
-        pass
+    data = read_cache_json(file)
+    if data is not None:
+        try:
+            return AmxProbe.from_dict(data)
+        except (ValueError, OverflowError):  # a file edited by hand: probed again and replaced
+            pass
     print("specdecode: trying llama.cpp's AMX kernels in a child process (once per build, machine and model)...",
           file=sys.stderr, flush=True)
     result = probe(path, n_threads)
     if result.definitive:
-        try:
-            write_text_atomic(file, json.dumps(result.to_dict()))
-        except OSError:
-            pass
+        write_cache_json(file, result.to_dict())
     return result
 
 

@@ -9,14 +9,13 @@ Units: seconds.
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 from ..backends.base import Backend
-from ..files import write_text_atomic
+from ..files import read_cache_json, write_cache_json
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from .costmodel import CostCurve
 from .measure import Measurement, measure_forward_curve, repair, unconfirmed_points
@@ -82,9 +81,9 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
     called just before a measurement (to tell a user why the start takes longer)."""
     key = machine_key(backend)
     path = cost_cache_path(backend, cache_dir)
-    if not refresh and path.exists():
+    data = None if refresh else read_cache_json(path)
+    if data is not None:
         try:
-            data = json.loads(path.read_text())
             m = Measurement.from_dict(data)
             fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
             if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
@@ -93,17 +92,17 @@ def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, ref
                     return m
                 verdict = check_curve(backend, m.curve)
                 if verdict == "agrees":
-                    write_text_atomic(path, json.dumps({**data, "checked_at": time.time()}))
+                    write_cache_json(path, {**data, "checked_at": time.time()})
                 if verdict != "contradicts":  # agrees, or the machine is busy now: no better curve to get
                     return m
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError):  # edited, or another version's
             pass
     if on_measure is not None:
         on_measure(ns)
     m = measure_forward_curve(backend, ns)
     if tuple(m.curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
-        write_text_atomic(path, json.dumps({**m.to_dict(), "model": backend.name, "key": key,
-                                            "measured_at": time.time(), "source": "measured"}))
+        write_cache_json(path, {**m.to_dict(), "model": backend.name, "key": key, "measured_at": time.time(),
+                                "source": "measured"})
     return m
 
 
@@ -142,11 +141,9 @@ def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
     """Flag the cached curve of this backend so that the next :func:`cached_forward_curve`
     measures it again (``why`` is kept in the file for whoever reads it)."""
     path = cost_cache_path(backend, cache_dir)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    write_text_atomic(path, json.dumps({**data, "stale": why}))
+    data = read_cache_json(path)
+    if data is not None:
+        write_cache_json(path, {**data, "stale": why})
 
 
 def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve, why: str) -> None:
@@ -155,16 +152,14 @@ def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve, why: 
     cannot be made plausible. ``why`` is kept
     in the file."""
     path = cost_cache_path(backend, cache_dir)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    data = read_cache_json(path)
+    if data is None:
         return
     confirmed = tuple(data.get("confirmed", ()))  # a kernel's cheap sizes, measured twice alike
     bad = unconfirmed_points(curve.ns, curve.seconds, confirmed)
     if bad:
         curve = CostCurve(curve.ns, tuple(repair(curve.ns, curve.seconds, bad, confirmed)))
     if tuple(data.get("ns", ())) != tuple(curve.ns) or unconfirmed_points(curve.ns, curve.seconds, confirmed):
-        write_text_atomic(path, json.dumps({**data, "stale": why}))
+        write_cache_json(path, {**data, "stale": why})
         return
-    write_text_atomic(path, json.dumps({**data, **curve.to_dict(), "measured_at": time.time(), "source": "live",
-                                        "rewritten": why}))
+    write_cache_json(path, {**data, **curve.to_dict(), "measured_at": time.time(), "source": "live", "rewritten": why})

@@ -81,7 +81,25 @@ class CostCurve:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostCurve":
-        return cls(tuple(int(n) for n in d["ns"]), tuple(float(s) for s in d["seconds"]))
+        """Read back :meth:`to_dict`'s JSON. Raises ValueError unless every n is an integer >= 1
+        and every time a finite number of seconds in [MIN_FORWARD_S, MAX_FORWARD_S] (a cache
+        file edited by hand, or cut off: zeros would divide by zero, NaN would never draft)."""
+        ns, seconds = d["ns"], d["seconds"]
+        if not isinstance(ns, list) or not isinstance(seconds, list):
+            raise ValueError("ns and seconds must be lists")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in ns):
+            raise ValueError(f"every n must be an integer >= 1, got {ns!r:.60}")
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and MIN_FORWARD_S <= s <= MAX_FORWARD_S
+                   for s in seconds):
+            raise ValueError(f"every T(n) must be {MIN_FORWARD_S:g}..{MAX_FORWARD_S:g} s, got {seconds!r:.60}")
+        return cls(tuple(ns), tuple(float(s) for s in seconds))
+
+
+# What a forward's measured time may be (seconds): bounds for reading a curve back from a
+# file, far outside anything measured (a tiny module's forward ~50 us; a 1.5B model's
+# 128-token forward on 2 slow cores ~3 s).
+MIN_FORWARD_S = 1e-7
+MAX_FORWARD_S = 3600.0
 
 
 def fit_linear(ns: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:

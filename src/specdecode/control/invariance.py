@@ -22,7 +22,6 @@ Inference" (2025): batch-invariant kernels make a row's result independent of it
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Sequence
@@ -30,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backends.base import Backend
-from ..files import write_text_atomic
+from ..files import read_cache_json, write_cache_json
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from .costcache import COST_CACHE_MAX_AGE_S, machine_key
 
@@ -95,13 +94,14 @@ def cached_invariant_block(backend: Backend, seq: int, cache_dir: Path,
     ``max_age_s`` seconds."""
     key = machine_key(backend)
     path = cache_dir / "costs" / f"{key}.invariant.json"  # beside cost_cache_path's curve
+    data = read_cache_json(path)
     try:
-        data = json.loads(path.read_text())
-        if data.get("key") == key and time.time() - float(data["measured_at"]) <= max_age_s:
-            return max(1, int(data["invariant_block"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        block = data["invariant_block"] if data is not None and data.get("key") == key else None
+        if (isinstance(block, int) and not isinstance(block, bool) and 1 <= block <= max(INVARIANT_SIZES)
+                and time.time() - float(data["measured_at"]) <= max_age_s):
+            return block
+    except (KeyError, TypeError, ValueError, OverflowError):  # a file edited by hand: measured again
         pass
     block = measure_invariant_block(backend, seq)
-    write_text_atomic(path, json.dumps({"invariant_block": block, "model": backend.name, "key": key,
-                                        "measured_at": time.time()}))
+    write_cache_json(path, {"invariant_block": block, "model": backend.name, "key": key, "measured_at": time.time()})
     return block

@@ -91,9 +91,25 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Measurement":
-        oc = d.get("others_cpu")
-        return cls(CostCurve.from_dict(d), None if oc is None else float(oc), tuple(d.get("remeasured", ())),
-                   tuple(d.get("repaired", ())), float(d.get("spread", 0.0)), tuple(d.get("confirmed", ())))
+        """Read back :meth:`to_dict`'s JSON. Raises ValueError for anything else (a file edited by
+        hand): the curve as :meth:`CostCurve.from_dict` reads it, shares and spreads finite
+        numbers, the lists of sizes lists of integers."""
+        def sizes(key: str) -> tuple[int, ...]:
+            v = d.get(key, [])
+            if not isinstance(v, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in v):
+                raise ValueError(f"{key} must be a list of sizes, got {v!r:.60}")
+            return tuple(v)
+
+        def share(key: str, default: float | None) -> float | None:
+            v = d.get(key, default)
+            if v is None:
+                return None
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1e6:
+                raise ValueError(f"{key} must be a number >= 0, got {v!r:.60}")
+            return float(v)
+
+        return cls(CostCurve.from_dict(d), share("others_cpu", None), sizes("remeasured"), sizes("repaired"),
+                   share("spread", 0.0), sizes("confirmed"))
 
 
 def _breaks(n: np.ndarray, t: np.ndarray, i: int, j: int) -> bool:
