@@ -146,14 +146,18 @@ def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
         write_cache_json(path, {**data, "stale": why})
 
 
-def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve, why: str) -> None:
+def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve | None, why: str) -> None:
     """Replace the cached curve of this backend by ``curve`` (the live step times, folded into
     the measured points; repaired where implausible); mark the cache stale instead when it
-    cannot be made plausible. ``why`` is kept
+    cannot be made plausible, or when curve is None (the live steps observed too few sizes:
+    :meth:`ObservedCurve.grounded`), so the next start measures it again. ``why`` is kept
     in the file."""
     path = cost_cache_path(backend, cache_dir)
     data = read_cache_json(path)
     if data is None:
+        return
+    if curve is None:
+        write_cache_json(path, {**data, "stale": f"{why}; too few sizes observed to rewrite the curve from them"})
         return
     confirmed = tuple(data.get("confirmed", ()))  # a kernel's cheap sizes, measured twice alike
     bad = unconfirmed_points(curve.ns, curve.seconds, confirmed)

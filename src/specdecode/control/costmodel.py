@@ -156,6 +156,7 @@ class ObservedCurve:
     FALL = 0.9  # an untrusted T(n) is at least this times a trusted T(m), m < n
     RISE = 1.1  # ... and at most this times a trusted T(m), m > n
     PER_TOKEN = 1.35  # ... and T(n)/n at most this times a trusted T(m)/m, m < n
+    GROUNDED_N = 16  # a live curve replaces the measured one only when observed up to here (grounded)
 
     def __init__(self, base: CostCurve, window: int = 9, min_samples: int = 2) -> None:
         self.base = base
@@ -238,6 +239,17 @@ class ObservedCurve:
             self._base_table = curve_table(self.base, n_max)
         n = np.arange(n_max + 1)
         return self._base_table[: n_max + 1] * np.interp(np.maximum(n, 1), self._ns, self.ratios())
+
+    def grounded(self) -> bool:
+        """Whether live samples pin the curve at both ends of what is planned with: trusted at
+        its smallest size and at one of GROUNDED_N tokens or more (its largest, if smaller).
+        Only then does :meth:`live_curve` say more than an extrapolation: with samples at 1-3
+        tokens alone, every larger size takes their ratio, capped at n T(1), which made a
+        cached curve exactly n T(1) (seen on a loaded machine), so long blocks never looked
+        worth verifying and were never observed to correct it."""
+        ok = self.trusted()
+        top = min(self.GROUNDED_N, int(self._ns[-1]))
+        return bool(ok[0]) and any(o and n >= top for o, n in zip(ok.tolist(), self._ns.tolist()))
 
     def live_curve(self) -> CostCurve:
         """The curve as now planned with, at the measured sizes (what a cache rewrite stores)."""

@@ -25,6 +25,10 @@ from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, Lo
 # The drift check reads every trusted size's median: done every few steps, not every step (a
 # rewrite then comes at most this many steps later; on a 30 ms step the check costs ~0.1 ms).
 DRIFT_CHECK_EVERY = 4
+# A drift found before the live curve is grounded (ObservedCurve.grounded: observed at both ends)
+# waits for it this many times the drift's own minimum of samples; then the cached curve is
+# marked stale instead of rewritten (the sizes not observed would be extrapolations).
+DRIFT_GROUNDING_SAMPLES = 4
 
 
 class SharedCosts:
@@ -33,7 +37,7 @@ class SharedCosts:
     (a batched step reaches n = generations * (kmax + 1))."""
 
     def __init__(self, curve: CostCurve | ObservedCurve, n_max: int,
-                 on_drift: Callable[[str, CostCurve], None] | None = None) -> None:
+                 on_drift: Callable[[str, CostCurve | None], None] | None = None) -> None:
         self.curve = curve
         self.on_drift = on_drift
         self._n_max = n_max
@@ -69,10 +73,13 @@ class SharedCosts:
         ratios = all_ratios[trusted]
         off = [T.base.ns[j] for j in np.flatnonzero(trusted) if not lo <= all_ratios[j] <= hi]
         if not lo <= T.drift <= hi or off:
+            grounded = T.grounded()
+            if not grounded and T.samples < DRIFT_GROUNDING_SAMPLES * min_samples:
+                return  # the live curve may yet be observed at both ends: wait for it
             where = f" (at n = {', '.join(map(str, off))})" if off else ""
             self.on_drift(f"observed step times are {T.drift:.2f}x the measured curve overall, "
                           f"{ratios.min():.2f}-{ratios.max():.2f}x at the observed sizes{where}, "
-                          f"after {T.samples} steps", T.live_curve())
+                          f"after {T.samples} steps", T.live_curve() if grounded else None)
             self.on_drift = None
 
 
