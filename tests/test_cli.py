@@ -162,6 +162,9 @@ def test_prompt_file_and_system_message_and_messages_file(smollm_path, tmp_path)
         with_system["stats"]["prompt_tokens"]
 
 
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
 @pytest.mark.parametrize(
     "args, stdin, needles",
     [
@@ -170,10 +173,13 @@ def test_prompt_file_and_system_message_and_messages_file(smollm_path, tmp_path)
         (["--messages-file", "-"], "{not json", ["--messages-file -: not valid JSON"]),
         (["--messages-file", "-"], '[{"role": "robot", "content": "hi"}]', ["messages[0].role = \"robot\""]),
         (["--messages-file", "-"], "[]", ["non-empty list"]),
+        (["--messages-file", "-"], DEEP, ["--messages-file -: its arrays and objects nest"]),
+        (["--prompt", "hi", "--json-schema", "-"], DEEP, ["--json-schema: the JSON schema's"]),
         (["--system", "x", "--prompt", "hi"], None, ["--system applies to chat input"]),
         ([], None, ["give the input"]),
     ],
+    ids=lambda v: v[:12] if isinstance(v, str) else None,  # the test id travels in an environment variable
 )
-def test_bad_input_sources(args, stdin, needles):
+def test_bad_input_sources(args, stdin, needles):  # DEEP: JSON nested beyond the parser's recursion
     p = cli_input("generate", "--target", SMOL, "--draft", "none", *args, stdin=stdin)
     assert_one_line_error(p, *needles)

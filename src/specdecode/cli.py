@@ -90,6 +90,9 @@ def prompt_from_args(args: argparse.Namespace) -> tuple[str | None, list[dict] |
         except json.JSONDecodeError as e:
             raise SpecDecodeError(f"--messages-file {args.messages_file}: not valid JSON ({e.msg} at line {e.lineno}, "
                                   f"column {e.colno})", param="--messages-file") from None
+        except RecursionError:
+            raise SpecDecodeError(f"--messages-file {args.messages_file}: its arrays and objects nest too deeply to "
+                                  "read", param="--messages-file") from None
         try:
             messages = check_messages(value)
         except SpecDecodeError as e:

@@ -70,6 +70,9 @@ class Grammar:
             except json.JSONDecodeError as e:
                 raise SpecDecodeError(f"{name}: the JSON schema is not valid JSON ({e.msg} at line {e.lineno})",
                                       param=name) from None
+            except RecursionError:
+                raise SpecDecodeError(f"{name}: the JSON schema's arrays and objects nest too deeply to read",
+                                      param=name) from None
         if not isinstance(schema, (dict, bool)):
             raise SpecDecodeError(f"{name}: a JSON schema must be an object, got {type(schema).__name__}", param=name)
         return cls("json_schema", json.dumps(schema), name)
