@@ -191,3 +191,23 @@ def test_ray_serve_options_are_checked_before_anything_starts(capsys):
     assert "--replicas 0 is out of range" in capsys.readouterr().err
     assert main(["serve", "--autoscaling", "{not json"]) != 0
     assert "--autoscaling is not valid JSON" in capsys.readouterr().err
+    # Ray Serve's own check of the config, before Ray starts (it took 10 s and ended in pydantic's traceback)
+    for config, needle in (('{"min_replicas": -1}', "min_replicas: Input should be greater than or equal to 0"),
+                           ('{"min_replicas": 5, "max_replicas": 1}', "must be greater than or equal to min_replicas"),
+                           ('{"foo": 1}', "unknown: foo")):
+        assert main(["serve", "--autoscaling", config]) != 0
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--autoscaling" in err and needle in err, err
+
+
+def test_an_api_key_no_client_can_send_is_refused(capsys, monkeypatch):
+    from specdecode.cli import main
+
+    for key in (" ", "two words", "line\nbreak", "ключ"):
+        assert main(["serve", "--api-key", key]) != 0
+        assert "--api-key is not valid: expected a non-empty string of printable ASCII" in capsys.readouterr().err
+        monkeypatch.setenv("SPECDECODE_API_KEY", key)
+        assert main(["serve"]) != 0
+        err = capsys.readouterr().err
+        assert "$SPECDECODE_API_KEY is not a key a client can send" in err and (key.strip() == "" or key not in err)
+        monkeypatch.delenv("SPECDECODE_API_KEY")

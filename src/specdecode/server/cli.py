@@ -15,7 +15,7 @@ from typing import Callable
 from ..errors import SpecDecodeError
 from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
 from .config import (DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_PORT, PREDICTION_BYTES_PER_TOKEN,
-                     ServerOptions)
+                     SENDABLE_KEY, ServerOptions)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The environment variable that gives the API key when --api-key does not (so that the key
@@ -31,7 +31,11 @@ def api_key_from(args: argparse.Namespace) -> str | None:
             raise SpecDecodeError("--api-key is empty: give the key, or leave the option out for no authentication",
                                   param="--api-key")
         return args.api_key
-    return os.environ.get(API_KEY_ENV) or None
+    key = os.environ.get(API_KEY_ENV) or None
+    if key is not None and not SENDABLE_KEY.fullmatch(key):  # the value is never shown: it is a key
+        raise SpecDecodeError(f"${API_KEY_ENV} is not a key a client can send in 'Authorization: Bearer <key>': "
+                              "expected printable ASCII without spaces or line breaks", param=API_KEY_ENV)
+    return key
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

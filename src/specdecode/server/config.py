@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -35,6 +36,32 @@ PREDICTION_BYTES_PER_TOKEN = 16
 # at 3-5 bytes a token): refused before it is tokenized.
 PROMPT_BYTES_PER_TOKEN = 32
 DEFAULT_PORT = 8000
+
+
+SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def _check_autoscaling(config: dict) -> None:
+    """Ray Serve's own check of an autoscaling_config (its pydantic AutoscalingConfig), done
+    before Ray starts, with unknown fields refused too. Raises _OptionError naming the field.
+    Without Ray nothing is checked here (serve_replicas says Ray is missing)."""
+    try:
+        from pydantic import ValidationError
+        from ray.serve.config import AutoscalingConfig
+    except ImportError:
+        return
+    fields = getattr(AutoscalingConfig, "model_fields", None) or getattr(AutoscalingConfig, "__fields__", {})
+    unknown = sorted(set(config) - set(fields))
+    if unknown:
+        raise _OptionError("autoscaling", config, f"Ray Serve's autoscaling_config fields ({', '.join(sorted(fields))}); "
+                           f"unknown: {', '.join(map(str, unknown))}", problem="is not valid")
+    try:
+        AutoscalingConfig(**config)
+    except (ValidationError, ValueError, TypeError) as e:
+        errors = e.errors() if isinstance(e, ValidationError) else []
+        why = "; ".join(f"{'.'.join(map(str, err.get('loc', ()))) or 'config'}: {err.get('msg')}" for err in errors[:3])
+        raise _OptionError("autoscaling", config, f"a valid autoscaling_config for Ray Serve ({why or e})",
+                           problem="is not valid") from None
 
 
 class _OptionError(SpecDecodeError):
@@ -123,9 +150,11 @@ class ServerOptions:
             value = getattr(self, name)
             if (value is not None or name == "host") and (not isinstance(value, str) or not value):
                 raise _OptionError(name, value, "a non-empty string", problem="is not valid")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            # The value is never shown: it may be a key.
-            raise _OptionError("api_key", self.api_key, "a non-empty string (or None for no authentication)",
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not SENDABLE_KEY.fullmatch(self.api_key)):
+            # The value is never shown: it may be a key. A space, a control character or a non-ASCII
+            # one cannot travel in "Authorization: Bearer <key>": every request would get a 401.
+            raise _OptionError("api_key", self.api_key, "a non-empty string of printable ASCII without spaces, as "
+                               "clients send it in 'Authorization: Bearer <key>' (or None for no authentication)",
                                problem="is not valid", show_value=False)
         _check_int("port", self.port, 0, 65535)
         _check_int("max_queue", self.max_queue, 1)
@@ -140,6 +169,8 @@ class ServerOptions:
         if self.autoscaling is not None and not isinstance(self.autoscaling, dict):
             raise _OptionError("autoscaling", self.autoscaling, "a JSON object (Ray Serve's autoscaling_config)",
                                problem="is not valid")
+        if self.autoscaling is not None:
+            _check_autoscaling(self.autoscaling)
         if self.num_cpus is not None and (not isinstance(self.num_cpus, (int, float)) or
                                           isinstance(self.num_cpus, bool) or not self.num_cpus > 0):
             raise _OptionError("num_cpus", self.num_cpus, "a number > 0")
