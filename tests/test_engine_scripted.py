@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specdecode.drafters import NoDrafter
 from specdecode.engine import GenerationResult, SpeculativeEngine
-from specdecode.errors import ContextOverflowError, SpecDecodeError
+from specdecode.errors import ContextOverflowError, ModelFileError, SpecDecodeError
 from specdecode.sampling import SamplingParams
 
 from conftest import OracleDrafter, ScriptedBackend
@@ -144,6 +145,37 @@ def test_prompt_that_does_not_fit():
     eng = SpeculativeEngine(target, NoDrafter(), 0)
     with pytest.raises(ContextOverflowError, match="600 tokens.*512"):
         eng.generate([3] * 600)
+
+
+class CorruptAfter(ScriptedBackend):
+    """Logits turn NaN from position ``bad`` on (weights cut or overwritten in a file that still loads)."""
+
+    def __init__(self, *args, bad: int, **kw):
+        super().__init__(*args, **kw)
+        self.bad = bad
+
+    def _forward(self, seq, token_ids, logits_for):
+        start = len(self.caches[seq])
+        rows = super()._forward(seq, token_ids, logits_for)
+        for r, i in enumerate(logits_for):
+            if start + i >= self.bad:
+                rows[r] = np.nan
+        return rows
+
+
+@pytest.mark.parametrize("drafter, sampling", [("none", None), ("oracle", None),
+                                               ("none", SamplingParams(temperature=0.8, seed=1))])
+def test_non_finite_logits_name_the_model_instead_of_being_sampled(drafter, sampling):
+    """Greedy decoding took a NaN row's argmax (token 0: an empty answer, finish_reason stop);
+    sampling failed with 'zero mass'. Both now say the weights are corrupt."""
+    target = CorruptAfter(PIECES, [2, 3, 4, 5, 6, 7], n_prompt=len(PROMPT), bad=len(PROMPT) + 1)
+    d = OracleDrafter(target) if drafter == "oracle" else NoDrafter()
+    eng = SpeculativeEngine(target, d, num_speculative_tokens=K)
+    kw = {"sampling": sampling} if sampling else {}
+    with pytest.raises(ModelFileError, match="model scripted gave non-finite logits .NaN or infinity.: its weights"):
+        eng.generate(PROMPT, max_tokens=20, **kw)
+    ok = CorruptAfter(PIECES, [2, 3, 4], n_prompt=len(PROMPT), bad=10 ** 6)  # control: finite logits pass
+    assert SpeculativeEngine(ok, NoDrafter(), 0).generate(PROMPT, max_tokens=20).token_ids == [2, 3, 4]
 
 
 def test_near_the_end_of_the_context_drafts_fewer():

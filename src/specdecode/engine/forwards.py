@@ -13,8 +13,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, SeqForward
+from ..backends.base import Backend, SeqForward, check_finite_logits
 from ..drafters.base import HiddenStateDrafter
+
 
 
 class BatchForwards:
@@ -63,6 +64,8 @@ class BatchForwards:
                 out = self.target.forward_batch(part)
             for i, lg in zip(idx, out):
                 logits[i] = lg
+        for lg in logits:
+            check_finite_logits(self.target, lg[-1])
         used = [g for g in groups if g[0]]
         return logits, hidden, len(used) == 1 and not (used[0][1] and len(items) == 1 and len(items[0].token_ids) == 1)
 

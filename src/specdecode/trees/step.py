@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..backends.base import check_finite_logits
 from ..control.planner import observe_verification
 from ..drafters.base import HiddenStateDrafter
 from ..output import TextDelta, top2_gap
@@ -22,6 +23,7 @@ def tree_step(engine: Any, gen: Any, ids: list[int], parents: list[int], t1: flo
     seq, block, base = gen.slot.seq, [gen.committed[-1]] + ids, len(gen.committed)
     reads_hidden = isinstance(gen.drafter, HiddenStateDrafter)
     logits, hidden = engine.target.forward_tree(block, parents, seq=seq, hidden=reads_hidden)
+    check_finite_logits(engine.target, logits[-1])
     r = verify_tree(ids, parents, logits, gen.sampler, base)
     rows = [0] + [i + 1 for i in r.path]
     engine.target.keep_tree_rows(rows, len(block), seq=seq)
