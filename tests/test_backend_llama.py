@@ -77,7 +77,7 @@ def test_flash_attention_choice_reads_the_environment(monkeypatch):
 
     monkeypatch.delenv("SPECDECODE_LLAMA_FLASH_ATTN", raising=False)
     assert flash_attention() == "auto"
-    for value, mode in (("on", "on"), (" OFF ", "off"), ("auto", "auto")):
+    for value, mode in (("on", "on"), (" OFF ", "off"), ("auto", "auto"), ("", "auto"), ("  ", "auto")):  # empty: unset
         monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", value)
         assert flash_attention() == mode
     monkeypatch.setenv("SPECDECODE_LLAMA_FLASH_ATTN", "maybe")

@@ -93,7 +93,7 @@ def flash_attention() -> str:
 
     Raises SpecDecodeError for any other value, naming it.
     """
-    value = os.environ.get(FLASH_ATTENTION_ENV, "auto").strip().lower()
+    value = os.environ.get(FLASH_ATTENTION_ENV, "").strip().lower() or "auto"  # set but empty: unset, as the others
     if value not in FLASH_ATTENTION_MODES:
         from ..errors import SpecDecodeError
 
