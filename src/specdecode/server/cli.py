@@ -139,7 +139,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """
     s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                               description="Serve an OpenAI-compatible HTTP API (/v1/completions, "
-                                          "/v1/chat/completions, /v1/models, /health, /metrics). Clients send "
+                                          "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics). "
+                                          "Clients send "
                                           "--target as the model id.")
     add_model_options(s)
     add_parallel_option(s)
