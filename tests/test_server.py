@@ -651,6 +651,23 @@ def test_serve_subcommand_options():
     assert args.func.__name__ == "cmd_serve"
 
 
+def test_serve_names_a_host_or_port_it_cannot_listen_on_before_loading_anything():
+    import socket
+
+    from specdecode.server.cli import check_listen_address
+
+    with pytest.raises(SpecDecodeError, match=r"--host evil\.invalid: not an address of this machine"):
+        check_listen_address("evil.invalid", 8000)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SpecDecodeError, match=rf"--port {port}: cannot listen there .*in use"):
+            check_listen_address("127.0.0.1", port)
+    check_listen_address("127.0.0.1", port)  # free again
+    check_listen_address("127.0.0.1", 0)  # any free port
+
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 

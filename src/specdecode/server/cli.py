@@ -9,6 +9,7 @@ import asyncio
 import functools
 import os
 import signal
+import socket
 from types import FrameType
 from typing import Callable
 
@@ -38,6 +39,27 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return key
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """That --host resolves and --port is free there, found before the models load (uvicorn
+    says so only after: "[Errno -2] Name or service not known", naming neither). Raises
+    SpecDecodeError naming the option. Port 0 (any free port) is not checked."""
+    try:
+        infos = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise SpecDecodeError(f"--host {host}: not an address of this machine to listen on "
+                              f"({getattr(e, 'strerror', None) or e})", param="--host") from None
+    if not port:
+        return
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise SpecDecodeError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}; another "
+                                  "server may hold the port)", param="--port") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Handler of ``specdecode serve``: load the pair, then serve until interrupted.
 
@@ -51,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
 
     options = ServerOptions.from_args(args, api_key_from(args))
+    check_listen_address(options.host, options.port)
     if options.host not in LOOPBACK_HOSTS:
         if options.api_key is None:
             print(f"specdecode: warning: serving on {options.host}: the server has no authentication (set --api-key "
