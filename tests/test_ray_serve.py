@@ -96,10 +96,10 @@ def test_app_builder_reads_key_value_strings(monkeypatch):
     monkeypatch.setattr(ray_serve, "build_deployment",
                         lambda kwargs, options: seen.update(kwargs=kwargs, options=options))
     ray_serve.app_builder({"target": MODEL, "num_speculative_tokens": "4", "n_ctx": "512", "parallel": "2",
-                           "replicas": "2", "max_queue": "8", "max_body_bytes": "1000", "autoscaling": '{"a": 1}'})
+                           "replicas": "2", "max_queue": "8", "max_body_bytes": "1000", "autoscaling": '{"max_replicas": 3}'})
     assert seen["kwargs"] == {"target": MODEL, "num_speculative_tokens": 4, "n_ctx": 512, "parallel": 2}
     o = seen["options"]
     assert (o.model_name, o.replicas, o.max_queue, o.max_body_bytes, o.autoscaling, o.warmup) == (
-        MODEL, 2, 8, 1000, {"a": 1}, True)
+        MODEL, 2, 8, 1000, {"max_replicas": 3}, True)
     ray_serve.app_builder({"num_speculative_tokens": "auto"})
     assert seen["kwargs"] == {"num_speculative_tokens": "auto"}
