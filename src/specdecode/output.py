@@ -18,15 +18,12 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
 from .stats import Stats
 from .textstream import TextAssembler
-
-if TYPE_CHECKING:  # engine.core imports this module
-    from .engine.core import Generation
 
 
 @dataclass
@@ -304,11 +301,12 @@ class OutputAccumulator:
                             top_logprobs=[(int(t), piece(t), float(lps[t])) for t in top])
 
 
-def drive(gen: "Generation", step: Callable[[list["Generation"]], list[TextDelta]],
-          end: Callable[["Generation"], list]) -> Iterator[TextDelta | GenerationResult]:
-    """Step one generation to its end: yield its non-empty deltas, then what ``end`` returns
-    (the last delta and the GenerationResult). A consumer that stops early (a closed
-    stream) still ends it, so that its slot is freed."""
+def drive(gen: Any, step: Callable[[list[Any]], list[TextDelta]],
+          end: Callable[[Any], list]) -> Iterator[TextDelta | GenerationResult]:
+    """Step one generation (an engine.core.Generation, typed Any: this module sits below the
+    engine) to its end: yield its non-empty deltas, then what ``end`` returns (the last delta
+    and the GenerationResult). A consumer that stops early (a closed stream) still ends it,
+    so that its slot is freed."""
     ended = False
     try:
         while not gen.done:
