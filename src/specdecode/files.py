@@ -46,18 +46,16 @@ def read_cache_json(path: str | Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def write_cache_json(path: str | Path, data: dict) -> bool:
+def write_cache_json(path: str | Path, data: dict) -> None:
     """Keep ``data`` in a cache file, whole or not at all (:func:`write_text_atomic`). Where it
     cannot be written (a read-only or full disk, a file where the folder should be), says so
-    on stderr, naming the file and the cause, and returns False: what a cache saves is time,
-    and the work it would have kept is done again on the next start."""
+    on stderr, naming the file and the cause, and goes on: what a cache saves is time, and the
+    work it would have kept is done again on the next start."""
     try:
         write_text_atomic(path, json.dumps(data))
-        return True
     except OSError as e:
         print(f"specdecode: warning: cannot keep {path} in the cache ({e.strerror or e}; ${CACHE_ENV} moves the "
               "cache): it is measured again on the next start", file=sys.stderr, flush=True)
-        return False
 
 
 def _umask() -> int:

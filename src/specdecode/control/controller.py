@@ -64,8 +64,9 @@ class SpeculationController(PlannedDrafter):
     of keeping the measured curve as it is; on_drift(why, live_curve) is called once when
     they contradict the measurement (overall, or at an observed size; the caller rewrites the
     cached curve with the live one, or, where live_curve is None because the steps observed too
-    few sizes to say what the others cost (:meth:`ObservedCurve.grounded`), marks it stale). guard: the :class:`SpeedGuard` that stops drafting while
-    speculation runs slower than plain decoding in this generation (a new one by default;
+    few sizes to say what the others cost (:meth:`ObservedCurve.grounded`), marks it stale).
+    guard: the :class:`SpeedGuard` that stops drafting while speculation runs slower than
+    plain decoding in this generation (a new one by default;
     it judges only steps this generation verified alone).
     probe_every: after this many plain steps in a row, one short speculative step
     refreshes a drafter's acceptance estimate (otherwise a K = 0 decision could never be

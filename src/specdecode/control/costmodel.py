@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..limits import is_int
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha): tokens per target pass (Leviathan et al., Eq. 1).
@@ -87,7 +89,7 @@ class CostCurve:
         ns, seconds = d["ns"], d["seconds"]
         if not isinstance(ns, list) or not isinstance(seconds, list):
             raise ValueError("ns and seconds must be lists")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in ns):
+        if not all(is_int(n) and n >= 1 for n in ns):
             raise ValueError(f"every n must be an integer >= 1, got {ns!r:.60}")
         if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and MIN_FORWARD_S <= s <= MAX_FORWARD_S
                    for s in seconds):

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..files import read_cache_json, write_cache_json
-from ..limits import MAX_NUM_SPECULATIVE_TOKENS
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
 from .costcache import COST_CACHE_MAX_AGE_S, machine_key
 
 # Block sizes tested, up to a whole verification (K = 32 plus the last committed token).
@@ -97,7 +97,7 @@ def cached_invariant_block(backend: Backend, seq: int, cache_dir: Path,
     data = read_cache_json(path)
     try:
         block = data["invariant_block"] if data is not None and data.get("key") == key else None
-        if (isinstance(block, int) and not isinstance(block, bool) and 1 <= block <= max(INVARIANT_SIZES)
+        if (is_int(block) and 1 <= block <= max(INVARIANT_SIZES)
                 and time.time() - float(data["measured_at"]) <= max_age_s):
             return block
     except (KeyError, TypeError, ValueError, OverflowError):  # a file edited by hand: measured again

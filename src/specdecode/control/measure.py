@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..backends.base import Backend, SeqForward
-from ..limits import MAX_NUM_SPECULATIVE_TOKENS
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
 from .costmodel import CostCurve
 
 # Plausibility margins. A kernel that switches tiles at some size may make T(n) a little
@@ -96,7 +96,7 @@ class Measurement:
         numbers, the lists of sizes lists of integers."""
         def sizes(key: str) -> tuple[int, ...]:
             v = d.get(key, [])
-            if not isinstance(v, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in v):
+            if not isinstance(v, list) or not all(is_int(n) for n in v):
                 raise ValueError(f"{key} must be a list of sizes, got {v!r:.60}")
             return tuple(v)
 

@@ -17,7 +17,6 @@ from ..backends.base import Backend, SeqForward, check_finite_logits
 from ..drafters.base import HiddenStateDrafter
 
 
-
 class BatchForwards:
     """Runs a step's forwards on the target and keeps its batch-invariant mode as last set.
 

@@ -150,7 +150,8 @@ class ServerOptions:
             value = getattr(self, name)
             if (value is not None or name == "host") and (not isinstance(value, str) or not value):
                 raise _OptionError(name, value, "a non-empty string", problem="is not valid")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not SENDABLE_KEY.fullmatch(self.api_key)):
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not SENDABLE_KEY.fullmatch(key)):
             # The value is never shown: it may be a key. A space, a control character or a non-ASCII
             # one cannot travel in "Authorization: Bearer <key>": every request would get a 401.
             raise _OptionError("api_key", self.api_key, "a non-empty string of printable ASCII without spaces, as "
