@@ -13,6 +13,7 @@ from typing import Any, Iterator, Sequence
 
 from ..assembly import registry
 from ..backends.base import Backend, claim_backends, release_backends
+from ..backends.chat_prompt import chat_prompt_ids
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
 from ..errors import SpecDecodeError
@@ -177,9 +178,7 @@ class Decoder:
         self.check_open()
         if messages is not None:
             checked = template_messages(check_messages(list(messages) if isinstance(messages, tuple) else messages))
-            text = (self.target.apply_chat_template(checked, tools=tools) if tools else
-                    self.target.apply_chat_template(checked))
-            return self.target.tokenize(text, add_special=False, parse_special=True)
+            return chat_prompt_ids(self.target, checked, tools)  # the request's texts as text
         if not isinstance(prompt, str):
             raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
         return self.target.tokenize(check_text(prompt, "prompt"), add_special=True, parse_special=True)

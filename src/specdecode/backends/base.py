@@ -223,6 +223,14 @@ class BackendBase:
     _eog: frozenset[int]
 
     @property
+    def special_texts(self) -> frozenset[str]:
+        """The texts that ``tokenize(parse_special=True)`` reads as one token and
+        ``parse_special=False`` reads as text (control tokens such as ``<|im_end|>``): what
+        :func:`.chat_prompt.chat_prompt_ids` keeps as text where a request's string holds it.
+        Empty for a backend without a tokenizer."""
+        return frozenset()
+
+    @property
     def n_vocab(self) -> int:
         return self._n_vocab
 

@@ -142,6 +142,7 @@ class LlamaCppBackend(BackendBase):
         eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eog = frozenset(eog)
         self._piece_cache: dict[int, bytes] = {}
+        self._special_texts: frozenset[str] | None = None
 
     def _context_params(self, n_ctx: int, n_seq: int, tree_branches: int, kv_per_sequence: bool, n_threads: int):
         """llama.cpp's context parameters: n_seq sequences of n_ctx cells (one unified buffer
@@ -208,6 +209,19 @@ class LlamaCppBackend(BackendBase):
             buf = (self._lib.llama_token * n_max)()
             n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
         return list(buf[:n])
+
+    @property
+    def special_texts(self) -> frozenset[str]:
+        """The texts of the vocabulary's control tokens (llama.cpp reads them as tokens only
+        with parse_special; user-defined tokens it reads as tokens either way), read once."""
+        if self._special_texts is None:
+            self._require_open()
+            lib, vocab = self._lib, self._vocab
+            parsed_only_special = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+            texts = (self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab)
+                     if lib.llama_vocab_get_attr(vocab, t) & parsed_only_special)
+            self._special_texts = frozenset(t for t in texts if t)
+        return self._special_texts
 
     def _piece(self, token_id: int, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(64)

@@ -143,7 +143,17 @@ class TorchBackend(BackendBase):
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise SpecDecodeError(f"{self.name} has no tokenizer: pass token ids")
-        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+        # split_special_tokens: without special parsing a special token's text is text, as on llama.cpp
+        return list(self.tokenizer(text, add_special_tokens=add_special,
+                                   split_special_tokens=not parse_special)["input_ids"])
+
+    @property
+    def special_texts(self) -> frozenset[str]:
+        """The texts of the tokenizer's special added tokens (those ``split_special_tokens``
+        reads as text)."""
+        if self.tokenizer is None:
+            return frozenset()
+        return frozenset(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special and t.content)
 
     def token_text(self, token_id: int) -> bytes:
         """The vocabulary entry as stored (byte-level form for BPE), b"" past the tokenizer."""
