@@ -149,6 +149,16 @@ def test_every_module_is_on_the_architecture_page():
     assert not missing, f"modules missing from the layer table of docs/architecture.md: {missing}"
 
 
+def test_each_folder_is_one_layer():
+    """A file's folder says what it may import: each package folder is named by one row of the
+    layer table, and no row names a file inside another row's folder."""
+    layers = layers_from_page(ARCHITECTURE.read_text(encoding="utf-8"))
+    folders = sorted(p.parent.relative_to(PKG).as_posix() + "/" for p in PKG.rglob("__init__.py") if p.parent != PKG)
+    for folder in folders:
+        rows = [name for name, where in layers if any(w == folder or w.startswith(folder) for w in where)]
+        assert len(rows) == 1, f"{folder} is named by the rows {rows} of docs/architecture.md's layer table"
+
+
 def upward_imports(edges: dict[str, set[str]], layers: list[tuple[str, list[str]]]) -> list[str]:
     """Each import of a module from a layer above its own, as a line naming both layers."""
     upward = []

@@ -12,7 +12,7 @@ from specdecode.control.costmodel import CostCurve
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.planner import tree_budget
 from specdecode.drafters import ModelDrafter, NgramDrafter
-from specdecode.trees.drafting import grow_tree, set_tree_options
+from specdecode.drafters.tree import grow_tree, set_tree_options
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import DEFAULT_TREE_NODES
@@ -202,7 +202,7 @@ def test_greedy_with_ngram_trees_equals_plain_decoding(models_, tokenizer):  # n
 
 
 def test_a_lookups_tree_keeps_its_first_path_and_weighs_only_the_rest():
-    from specdecode.trees.plan import TreeCalibration, plan_tree
+    from specdecode.control.tree_plan import TreeCalibration, plan_tree
     from specdecode.drafters import Draft
 
     tree = Draft([5, 6, 7, 8], None, [-1, -1, 0, 1], [0.5, 0.4, 0.3, 0.1])  # first path 5 > 7

@@ -16,13 +16,13 @@ from pathlib import Path
 from . import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
-from ..trees.llama_forward import TREE_BRANCHES
+from ..backends.llama_tree import TREE_BRANCHES
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
 from ..control.costcache import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..drafters import Drafter, NoDrafter
 from ..drafters.kinds import Choice, DraftRequest, check_draft_options, kind_of, resolve
-from ..trees.drafting import set_tree_options
+from ..drafters.tree import set_tree_options
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..limits import (AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE,

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MAX_THREADS, MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
-from ..trees.llama_forward import forward_tree, keep_rows
+from .llama_tree import forward_tree, keep_rows
 from .llama_buffers import load_model
 from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error
 

@@ -362,7 +362,7 @@ class TorchBackend(BackendBase):
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
         """A tree block (:mod:`specdecode.trees.torch_forward`): root and nodes [N] appended; (logits [N, V] of
         every row, their hidden states [N, H] with hidden, else None)."""
-        from ..trees.torch_forward import forward_tree
+        from .torch_tree import forward_tree
         self._check_seq(seq)
         if self._subset is not None:
             raise SpecDecodeError(f"{self.name}: tree verification needs the whole vocabulary (no output subset)")
@@ -370,13 +370,13 @@ class TorchBackend(BackendBase):
 
     def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
         """Keep rows (ascending, root first) of the last tree block of n_rows; drop the others."""
-        from ..trees.torch_forward import keep_rows
+        from .torch_tree import keep_rows
         self._check_seq(seq)
         keep_rows(self, rows, n_rows)
 
     def forward_rows(self, token_ids: Sequence[int], positions: Sequence[int], visible, seq: int = 0):
         """Rows under an explicit mask (:func:`specdecode.trees.torch_forward.forward_rows`): logits [n, V]."""
-        from ..trees.torch_forward import forward_rows
+        from .torch_tree import forward_rows
         self._check_seq(seq)
         return forward_rows(self, token_ids, positions, visible)[0]  # the whole vocabulary
 

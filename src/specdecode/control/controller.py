@@ -35,7 +35,7 @@ from ..drafters.base import ContinuationRule, Draft, Drafter, DraftingRequest, H
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
 from .sources import Plan, SharedCosts, Source, SourceSet
-from ..trees.plan import shape_tree, tree_depth
+from .tree_plan import shape_tree, tree_depth
 from .planner import DraftOffer, PlannedDrafter
 from ..limits import AUTO_KMAX
 from ..sampling import Sampler

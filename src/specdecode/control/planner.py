@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..drafters.base import Drafter, DrafterBase
-from ..trees.drafting import set_tree_options
+from ..drafters.tree import set_tree_options
 from ..errors import SpecDecodeError
 from .costmodel import allocate_drafts
 

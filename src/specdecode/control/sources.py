@@ -17,7 +17,7 @@ import numpy as np
 from ..drafters.base import Drafter, DraftingRequest, IncrementalDrafter, LookupDrafter
 from ..errors import SpecDecodeError
 from .costmodel import CostCurve, ObservedCurve, curve_table
-from ..trees.plan import TreeCalibration
+from .tree_plan import TreeCalibration
 from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, LogisticAcceptance, StepFeatures,
                          TwoRateEstimator, match_band)
 

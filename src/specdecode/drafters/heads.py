@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..files import atomic_path, sha256_file
 from .base import Draft, HiddenStateDrafter
-from ..trees.drafting import TreeDrafting
+from .tree import TreeDrafting
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -269,7 +269,7 @@ def medusa_tree(logits: np.ndarray, width: int, budget: int, eog_ids=frozenset()
     up to ``budget`` nodes. Returns a Draft with parents (nodes in topological order; an
     end-of-generation token gets no children) and node_probs (each node's path probability,
     non-increasing: every prefix is the likeliest tree of its size,
-    :func:`specdecode.trees.plan.plan_tree`)."""
+    :func:`specdecode.control.tree_plan.plan_tree`)."""
     import heapq
 
     z = logits - logits.max(axis=1, keepdims=True)

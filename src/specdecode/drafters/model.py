@@ -15,7 +15,7 @@ from ..errors import SpecDecodeError
 from ..sampling import Sampler
 from ..backends.vocab import check_vocab_compatible
 from .base import ContinuationRule, Draft, IncrementalDrafter
-from ..trees.drafting import TreeDrafting, grow_tree
+from .tree import TreeDrafting, grow_tree
 
 
 class ModelDrafter(IncrementalDrafter, TreeDrafting):
@@ -25,9 +25,9 @@ class ModelDrafter(IncrementalDrafter, TreeDrafting):
     draft model's distribution shaped by the same Sampler and return it as probs [K, V].
     The draft's KV cache keeps the tokens it has seen; each proposal rolls it back to the
     longest prefix shared with the new context and feeds only the rest. With ``tree_nodes``
-    (:class:`specdecode.trees.drafting.TreeDrafting`) a greedy generation on a draft backend that grows trees
+    (:class:`specdecode.drafters.tree.TreeDrafting`) a greedy generation on a draft backend that grows trees
     (``supports_tree_draft``: torch) drafts EAGLE-2's dynamic tree of up to that many nodes
-    and at most K deep (:func:`specdecode.trees.drafting.grow_tree`), its cells dropped again after drafting.
+    and at most K deep (:func:`specdecode.drafters.tree.grow_tree`), its cells dropped again after drafting.
 
     vocab_subset: when > 0, the draft model computes logits only for token ids below it
     plus the prompt's tokens and the end-of-generation ids (FR-Spec, Zhao et al. 2025:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..errors import SpecDecodeError
 from .base import ContextMemo, Draft, LookupDrafter, Match
-from ..trees.drafting import TreeDrafting
+from .tree import TreeDrafting
 
 
 class NgramDrafter(LookupDrafter, TreeDrafting):
@@ -25,7 +25,7 @@ class NgramDrafter(LookupDrafter, TreeDrafting):
     copied, so its continuation is likely right: :meth:`lookup` exposes the match length,
     and the cost-aware controller keeps an acceptance estimate per match length.
     Drafts are deterministic, so probs is None (one-hot). With a tree budget
-    (:class:`specdecode.trees.drafting.TreeDrafting`) an ambiguous match of a greedy generation drafts a tree
+    (:class:`specdecode.drafters.tree.TreeDrafting`) an ambiguous match of a greedy generation drafts a tree
     instead: the trie of the ``tree_width`` best occurrences' continuations (longest match,
     then most recent), each node's probability the share of the occurrences through it, the
     r-th best weighing 1 / r (so the first path is the chain's draft).

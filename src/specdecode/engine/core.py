@@ -22,7 +22,7 @@ from ..output import GenerationResult, OutputAccumulator, TextDelta, TokenLogpro
 from ..request import GenerationOptions
 from ..sampling import Sampler
 from .forwards import BatchForwards
-from ..trees.step import tree_step
+from .tree_step import tree_step
 from ..verify import (VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling)
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
-from ..backends.base import tree_depths
+from .base import tree_depths
 
 TREE_BRANCHES = 8  # leaves a tree may have (branch sequences a context is given for trees)
 

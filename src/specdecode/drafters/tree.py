@@ -6,7 +6,7 @@ settings of a tree-drafting drafter.
 A tree is a :class:`Draft` with ``parents`` (nodes in topological order) and ``node_probs``
 (each node's path probability under the drafter, non-increasing), so that every prefix of
 its node list is a tree, and the likeliest one of that size: the controller cuts it to the
-prefix that pays under the measured cost (:func:`specdecode.trees.plan.plan_tree`).
+prefix that pays under the measured cost (:func:`specdecode.control.tree_plan.plan_tree`).
 
 Dimension letters: V = vocabulary, W = width (candidates per expanded node), D = depth.
 """
@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..limits import DEFAULT_TREE_WIDTH
-from ..drafters.base import Draft
+from .base import Draft
 
 
 class TreeDrafting:
