@@ -38,6 +38,18 @@ def smollm_draft(smollm_path):
     b.close()
 
 
+def step_outcome(accepted: int, verified: int = 0, seconds: float = 0.0, confidence: float = 0.5,
+                 drafted: int | None = None, timed: bool = True):
+    """A step's outcome as the engine hands it to a drafter: accepted drafts of drafted (default
+    accepted), the batch's timing (verified tokens, seconds; 0: none) and a target row whose top-1
+    probability is confidence."""
+    from specdecode.drafters import StepOutcome
+
+    m = int(np.ceil((1 - confidence) / confidence)) + 1  # others below the top one
+    row = np.log(np.array([confidence] + [(1 - confidence) / m] * m, dtype=np.float64)).astype(np.float32)
+    return StepOutcome(accepted, accepted if drafted is None else drafted, row[None, :], verified, seconds, timed)
+
+
 class ScriptedBackend:
     """A fake target whose greedy continuation of the prompt is a fixed script.
 
@@ -144,7 +156,7 @@ class OracleDrafter(DrafterBase):
             out.append(self.target.script[idx] if 0 <= idx < len(self.target.script) else 1)
         return Draft(out)
 
-    def observe(self, n):
+    def observe(self, outcome):
         pass
 
     def finish(self, committed):
@@ -166,7 +178,7 @@ class WrongDrafter(DrafterBase):
     def propose(self, context, k):
         return Draft([(self.target_next(list(context)) + 1 + i) % self.n_vocab for i in range(k)])
 
-    def observe(self, n):
+    def observe(self, outcome):
         pass
 
     def finish(self, committed):

@@ -14,7 +14,7 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.parity import parity_report
 from specdecode.sampling import Sampler, SamplingParams
 
-from conftest import OracleDrafter, ScriptedBackend
+from conftest import OracleDrafter, ScriptedBackend, step_outcome
 
 
 def test_expected_tokens_hand_computed():
@@ -90,7 +90,7 @@ class FixedModel(FixedDrafter, IncrementalDrafter):
     def set_continuation_rule(self, rule):
         pass
 
-    def observe(self, n):
+    def observe(self, outcome):
         pass
 
     def finish(self, committed):
@@ -108,7 +108,7 @@ def drive(controller, accept_all: bool, steps: int = 40, cap: int = 8):
         d = controller.propose([1, 2, 3], cap)
         k = len(d.token_ids)
         ks.append(k)
-        controller.observe(k if accept_all else 0)
+        controller.observe(step_outcome(k if accept_all else 0))
     return ks
 
 
@@ -239,7 +239,7 @@ def test_a_drafter_silenced_by_early_rejections_is_tried_again_when_its_prior_pa
     for step in range(14):
         k = len(c.propose([1, 2, 3], 8).token_ids)
         ks.append(k)
-        c.observe(0 if step < 2 else k)  # the first two drafts fail, later ones pass
+        c.observe(step_outcome(0 if step < 2 else k))  # the first two drafts fail, later ones pass
     assert ks[2:4] == [0, 0]  # two rejections silence it (no probe for 1000 steps) ...
     assert all(k > 0 for k in ks[4:]) and ks[-1] == 8  # ... until its evidence fades toward the prior
     # Where even the prior does not pay (a compute-bound target), fading changes nothing.

@@ -18,6 +18,8 @@ from specdecode.drafters import Draft, DrafterBase
 from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
 from specdecode.sampling import Sampler, SamplingParams
 
+from conftest import step_outcome
+
 # A llama.cpp-like CPU curve (seconds): per-token cost falls once the batch reaches 16
 # tokens, so T(16) < T(12).
 BENT = CostCurve((1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33), (0.030, 0.059, 0.080, 0.103, 0.125, 0.144, 0.168, 0.227, 0.244,
@@ -61,7 +63,7 @@ def test_always_accepted_drafts_settle_on_the_cheapest_block_per_token():
     ks = []
     for _ in range(30):
         k = len(c.propose([1, 2, 3], 32).token_ids)
-        c.observe(k)
+        c.observe(step_outcome(k))
         ks.append(k)
     # Fully accepted: 32 tokens for T(32) = 0.412 s (78/s) beats 16 for T(16) = 0.25 s (64/s)
     # and 9 for T(9) = 0.244 s (37/s); K = 32 would need T(33).
@@ -89,8 +91,8 @@ def test_controller_with_learned_costs_follows_the_machine():
     fixed = SpeculationController([source(0.95)], BENT, kmax=32)
     for c in (learned, fixed):
         for _ in range(80):
-            c.observe_verification(16, 4 * BENT(16))
-            c.observe_verification(1, BENT(1))
+            c.observe(step_outcome(0, verified=16, seconds=4 * BENT(16)))
+            c.observe(step_outcome(0, verified=1, seconds=BENT(1)))
     assert fixed.plan(fixed.sources[0], 32)[0] == 15
     assert learned.plan(learned.sources[0], 32)[0] < 15
     assert len(drifts) == 1 and "the measured curve" in drifts[0] and "n = 16" in drifts[0]  # reported once
@@ -198,7 +200,7 @@ def test_explain_says_why_a_costly_draft_model_is_not_used():
     c = SpeculationController([cheap, dear], BENT, kmax=32)
     c.start([1, 2, 3], Sampler(SamplingParams()))
     for _ in range(5):
-        c.observe(len(c.propose([1, 2, 3], 32).token_ids))
+        c.observe(step_outcome(len(c.propose([1, 2, 3], 32).token_ids)))
     note = c.explain()
     assert "fixed drafted in 5 of 5 steps" in note
     assert "model not used: it costs 0.60 of a target step" in note

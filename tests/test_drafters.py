@@ -12,6 +12,8 @@ from specdecode.drafters import NgramDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import Sampler, SamplingParams
 
+from conftest import step_outcome
+
 
 def test_lookup_prefers_the_occurrence_that_matches_furthest_back():
     # Suffix 4 1 2 3: "1 2 3" occurs at 1..3 (preceded by 4: match length 4) and at 6..8
@@ -77,10 +79,10 @@ def test_controller_learns_acceptance_per_match_length():
     for _ in range(12):
         d = c.propose(long_ctx, 8)
         ks_long.append(len(d.token_ids))
-        c.observe(len(d.token_ids))  # every draft accepted
+        c.observe(step_outcome(len(d.token_ids)))  # every draft accepted
         d = c.propose(short_ctx, 8)
         ks_short.append(len(d.token_ids))
-        c.observe(0)  # every draft rejected
+        c.observe(step_outcome(0))  # every draft rejected
     assert src.bands[5, True].alpha > 0.95 and ks_long[-1] == 8
     assert ks_short[0] > 0 and src.bands[2, True].alpha < 0.2 and ks_short[-4:] == [0, 0, 0, 0]
     assert src.bands[3, True].alpha == pytest.approx(0.85)  # an unused kind keeps its prior

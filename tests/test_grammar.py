@@ -221,11 +221,13 @@ def test_negative_control_target_left_unmasked_fails(case, monkeypatch):
     unmasked distribution, so outputs leave the grammar or are mis-distributed."""
     target, draft, expected = case
 
-    def verify_unmasked(gen, draft_ids, draft_probs, logits):
+    def verify_unmasked(gen, draft_ids, draft_probs, logits, hidden):
+        from specdecode.engine.generation import Verified
         from specdecode.verify import verify_speculative_sampling
 
         probs = np.stack([gen.sampler.probs(logits[i], ()) for i in range(len(draft_ids) + 1)])
-        return verify_speculative_sampling(draft_ids, draft_probs, probs, gen.sampler.rng), None
+        result = verify_speculative_sampling(draft_ids, draft_probs, probs, gen.sampler.rng)
+        return Verified(draft_ids, len(draft_ids), result, None, logits, hidden)
 
     monkeypatch.setattr(SpeculativeEngine, "_verify", staticmethod(verify_unmasked))
     counts, invalid = sample_pairs(SpeculativeEngine(TableTarget(target), TableDrafter(draft), 2), 3000)

@@ -141,8 +141,8 @@ def three_token_distribution(target, ids):
 class MislabelledHeads(MislabelledDrafter, HiddenStateDrafter):
     """MislabelledDrafter over heads: it hands the hidden states on to them."""
 
-    def observe_hidden(self, positions, hidden):
-        self.inner.observe_hidden(positions, hidden)
+    def observe(self, outcome):
+        self.inner.observe(outcome)
 
 
 def test_sampling_with_head_distributions_keeps_the_target_distribution():

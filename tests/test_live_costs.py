@@ -20,7 +20,7 @@ from specdecode.drafters import Draft, DrafterBase, NoDrafter
 from specdecode.drafters.base import LookupDrafter, Match
 from specdecode.engine import SpeculativeEngine
 
-from conftest import OracleDrafter, ScriptedBackend
+from conftest import OracleDrafter, ScriptedBackend, step_outcome
 
 # What an idle AVX2 machine measured for the 1.5B target (ms), as a function of n.
 IDLE_MS = {1: 48, 2: 78, 3: 100, 4: 122, 5: 140, 6: 160, 7: 178, 8: 196, 9: 214, 12: 290, 16: 419, 24: 640,
@@ -324,8 +324,7 @@ def test_the_controller_follows_live_costs_and_rewrites_the_cache(tmp_path):
     ks = []
     for _ in range(80):
         k = len(c.propose([1, 2, 3], 32).token_ids)
-        c.observe_verification(k + 1, IDLE(k + 1))
-        c.observe(min(k, 2))
+        c.observe(step_outcome(min(k, 2), verified=k + 1, seconds=IDLE(k + 1), drafted=k))
         ks.append(k)
     assert want == 0 and ks[0] == 1  # the poisoned curve misleads at first (plain looks 536 ms)
     # Live T(2) and the guard's plain steps correct it within a few steps.
@@ -342,7 +341,7 @@ def test_the_controller_follows_live_costs_and_rewrites_the_cache(tmp_path):
                               on_drift=lambda why, live: costcache.rewrite_from_live(target, tmp_path, live, why))
     for _ in range(3):
         for n in NS:
-            c.observe_verification(n, IDLE(n))
+            c.observe(step_outcome(0, verified=n, seconds=IDLE(n)))
     data = json.loads(path.read_text())
     assert data["source"] == "live" and "measured curve" in data["rewritten"] and "stale" not in data
     assert data["seconds"] == pytest.approx(IDLE.seconds)
@@ -484,15 +483,14 @@ def test_k_follows_the_learned_acceptance_model():
     that are right only after a confident position, it drafts there and not elsewhere."""
     c = SpeculationController([Source(Lookup(), 0.0)], IDLE, kmax=8)
     c.guard = SpeedGuard(window=10**6)
+    conf = lambda i: 0.97 if i % 2 else 0.2  # noqa: E731  (the target's confidence before step i)
+    c.observe(step_outcome(0, confidence=conf(0)))
     for i in range(200):
-        conf = 0.97 if i % 2 else 0.2
-        c.observe_confidence(conf)
         k = len(c.propose([1, 2, 3], 8).token_ids)
-        c.observe(k if conf > 0.5 else 0)
-    c.observe_confidence(0.2)  # after a confident step fully accepted, as in training
+        c.observe(step_outcome(k if conf(i) > 0.5 else 0, confidence=conf(i + 1), drafted=k))
+    # after a confident step fully accepted, as in training: confidence 0.2
     assert len(c.propose([1, 2, 3], 8).token_ids) == 0
-    c.observe(0)
-    c.observe_confidence(0.97)
+    c.observe(step_outcome(0, confidence=0.97))
     assert len(c.propose([1, 2, 3], 8).token_ids) >= 4
 
 
@@ -508,8 +506,7 @@ def test_a_curve_too_steep_to_ever_draft_is_explored_and_corrected(explore_every
     ks = []
     for _ in range(300):
         k = len(c.propose([1, 2, 3], 8).token_ids)
-        c.observe_verification(k + 1, IDLE(k + 1))  # the machine is idle: the real curve
-        c.observe(k)  # every draft right
+        c.observe(step_outcome(k, verified=k + 1, seconds=IDLE(k + 1)))  # the machine is idle; every draft right
         ks.append(k)
     assert ks[:60].count(0) == 60  # the steep curve keeps it plain at first
     if explore_every < 300:
@@ -530,13 +527,13 @@ def test_a_new_text_is_not_silenced_by_failures_in_earlier_ones():
             c.start([1, 2, 3], None) if reset else None
             for _ in range(120):
                 k = len(c.propose([1, 2, 3], 8).token_ids)
-                c.observe(0)
+                c.observe(step_outcome(0, drafted=k))
         if reset:
             c.start([1, 2, 3], None)
         ks = []
         for _ in range(120):  # a text whose lookups are all right
             k = len(c.propose([1, 2, 3], 8).token_ids)
-            c.observe(k)
+            c.observe(step_outcome(k))
             ks.append(k)
         return ks
 

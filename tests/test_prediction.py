@@ -15,7 +15,7 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.drafters import NgramDrafter
 
-from conftest import ScriptedBackend
+from conftest import ScriptedBackend, step_outcome
 
 NL = 1  # the newline token
 PROMPT = [90, 91, 92]
@@ -50,7 +50,7 @@ def simulate(pred, output, k=8):
         n = 0
         while n < len(draft) and i + n < len(output) and draft[n] == output[i + n]:
             n += 1
-        d.observe(n)
+        d.observe(step_outcome(n))
         steps.append((len(draft), n))
         ctx += output[i:i + n + 1]
         i += n + 1

@@ -18,7 +18,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.parity import parity_report
 from specdecode.sampling import Sampler, SamplingParams
 
-from conftest import ScriptedBackend
+from conftest import ScriptedBackend, step_outcome
 
 SAMPLER = Sampler(SamplingParams())
 FLAT = CostCurve(tuple(range(1, 34)), (0.035,) * 33)
@@ -162,7 +162,7 @@ def test_eviction_bounds_memory_and_keeps_the_recently_used():
     d.start([7], SAMPLER)
     ctx = [7] + seq(1)[:4]
     assert d.propose(ctx, 4).token_ids == seq(1)[4:8]
-    d.observe(2)
+    d.observe(step_outcome(2))
     d.finish(ctx + seq(1)[4:6])  # 7 tokens: evicts sequence 2 (least recently used) only
     assert d.stored_tokens <= 30
     hist = d.history()
@@ -174,7 +174,7 @@ def test_eviction_bounds_memory_and_keeps_the_recently_used():
         request(d, seq(tag))
     d.start([7], SAMPLER)
     assert d.propose([7] + seq(1)[:4], 4).token_ids
-    d.observe(0)
+    d.observe(step_outcome(0))
     d.finish([7, 8, 9])
     assert seq(1) not in d.history() and seq(2) in d.history()
 
@@ -220,7 +220,7 @@ def test_only_committed_tokens_are_stored():
     request(d, [1, 2, 3, 4, 5, 6])
     d.start([1, 2], SAMPLER)
     assert d.propose([1, 2, 3], 3).token_ids == [4, 5, 6]
-    d.observe(0)
+    d.observe(step_outcome(0))
     d.finish([1, 2, 3, 9])
     assert d.history() == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9]] and d.stored_tokens == 10
 
@@ -239,7 +239,7 @@ def test_the_controller_drafts_with_a_suffix_source():
     assert c.choices["suffix"] == 1
     est = c.sources[1].bands[match_band(20), True]
     before = est.first.accepted
-    c.observe(8)
+    c.observe(step_outcome(8))
     assert est.first.accepted > before  # the estimate for this kind of match learned
     # Where nothing matches, the controller falls back to plain steps.
     assert c.propose([7, 8, 9], 8).token_ids == []

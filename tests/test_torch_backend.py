@@ -153,7 +153,7 @@ class MislabelledDrafter(DrafterBase):
         sharp = d.probs ** 2
         return Draft(d.token_ids, sharp / sharp.sum(axis=1, keepdims=True))
 
-    def observe(self, n):
+    def observe(self, outcome):
         pass
 
     def finish(self, committed):
@@ -247,7 +247,7 @@ def test_cross_backend_llama_cpp_draft_for_torch_target(smollm_path, smollm_draf
     assert vocab_fingerprint(target) == vocab_fingerprint(smollm_draft) == \
         registry.get_spec("smollm2-135m-instruct").vocab_fingerprint
     text = target.apply_chat_template([{"role": "user", "content": "List three fruits."}])
-    ids = target.tokenize(text, add_special=False)
+    ids = target.tokenize(text, add_special=False, parse_special=True)
     assert ids == smollm_draft.tokenize(text, add_special=False, parse_special=True)
     spec = SpeculativeEngine(target, drafter, 4).generate(ids, max_tokens=40)
     base = plain(target, ids, max_tokens=40)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import step_outcome
 from test_verify import _chi2_pvalue
 from specdecode.verify import (tree_children, tree_path_tokens, verify_greedy, verify_tree_greedy, verify_tree_keyed,
                                verify_tree_sampling)
@@ -337,7 +338,7 @@ def test_the_controller_drafts_trees_where_the_cost_is_flat_and_chains_where_it_
     c.start([1, 2], None)
     d = c.propose([1, 2], 8)
     assert d.parents is not None and len(d.token_ids) == 6
-    c.observe(2)
+    c.observe(step_outcome(2, drafted=6))
     steep = CostCurve(tuple(range(1, 34)), tuple(0.05 * n for n in range(1, 34)))
     c = SpeculationController([Source(TreeHeads(), 0.0)], steep, kmax=8)
     c.start([1, 2], None)

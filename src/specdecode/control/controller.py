@@ -31,7 +31,8 @@ import numpy as np
 
 from ..backends.base import Backend
 from .costmodel import CostCurve, ObservedCurve, choose_k, expected_tokens_upto
-from ..drafters.base import ContinuationRule, Draft, Drafter, DraftingRequest, HiddenStateDrafter, IncrementalDrafter
+from ..drafters.base import (ContinuationRule, Draft, Drafter, DraftingRequest, HiddenStateDrafter, IncrementalDrafter,
+                             StepOutcome)
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
 from .sources import Plan, SharedCosts, Source, SourceSet
@@ -225,6 +226,7 @@ class SpeculationController(PlannedDrafter):
         return "; ".join(parts)
 
     def finish(self, committed: Sequence[int]) -> None:
+        self.set_quota(None)  # a batch's quota is for its step, not for a next generation
         for s in self.sources:
             s.drafter.finish(committed)
 
@@ -250,19 +252,16 @@ class SpeculationController(PlannedDrafter):
         E = expected_tokens_upto(alpha, K) if alpha is not None else est.expected_upto(K)  # [K+1]
         return choose_k(E, source.draft_cost, self._T, extra)
 
-    def observe_confidence(self, p_top1: float | Callable[[], float]) -> None:
-        """The target's top-1 probability at the last verified position (a feature of the
-        next step's acceptance: near 1 through a copy), or a function that computes it: it is
-        then computed only when a lookup drafter has a match to plan with."""
-        self._confidence = p_top1
-
     @property
     def confidence(self) -> float:
+        """The target's top-1 probability at the last verified position (a feature of the next
+        step's acceptance: near 1 through a copy), computed only when a lookup drafter has a
+        match to plan with."""
         if callable(self._confidence):
             self._confidence = float(self._confidence())
         return self._confidence
 
-    def observe_verification(self, n: int, seconds: float, sample: bool = True) -> None:
+    def _observe_timing(self, n: int, seconds: float, sample: bool) -> None:
         """A verification of n tokens took ``seconds``: fold it into T(n) (learn_costs) when
         it is a sample of the curve; when it verified only this generation's block, the guard
         judges the step."""
@@ -391,7 +390,17 @@ class SpeculationController(PlannedDrafter):
 
         return keep
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
+        """The step's outcome: its timing (the batch's first generation only) into T(n) and the
+        guard, its confidence, its acceptance into the estimates of the source that drafted,
+        which gets the outcome too."""
+        if outcome.num_drafted == 0 and outcome.target_logits is None:  # the prefill: nothing verified
+            self._observe_sources(outcome, None)
+            return
+        if outcome.verified_tokens:
+            self._observe_timing(outcome.verified_tokens, outcome.seconds, outcome.timed)
+        self._confidence = outcome.top1_probability
+        num_accepted = outcome.num_accepted
         if self._own_verify is not None:
             drafted = self._last_k if self._proposed else 0
             if drafted:
@@ -407,22 +416,29 @@ class SpeculationController(PlannedDrafter):
             s.tree_calibration.update(self._tree_expected, num_accepted)  # estimate from its first path
             self._tree_expected = None
             s.estimator.update(self._last_k, min(num_accepted, self._last_k))
-            s.drafter.observe(num_accepted)
         elif s is not None:
             s.estimator.update(self._last_k, num_accepted)
             if self._last_est is not None and self._last_est is not s.estimator:
                 self._last_est.update(self._last_k, num_accepted)
-            s.drafter.observe(num_accepted)
             if self._last_probe:
                 failed = num_accepted < self._last_k
                 s.probe_gap = min(s.probe_gap * 2, self.max_probe_gap) if failed else self.probe_every
+        self._observe_sources(outcome, s)
+
+    def _observe_sources(self, outcome: StepOutcome, drafted: Source | None) -> None:
+        """The source that drafted the step gets its outcome; the others only the hidden
+        states, where they read them (HiddenStateController)."""
+        if drafted is not None:
+            drafted.drafter.observe(outcome)
 
 
 class HiddenStateController(SpeculationController, HiddenStateDrafter):
     """A controller over at least one :class:`HiddenStateDrafter`: it hands each step's
     hidden states to every such source (whichever drafter drafted the step)."""
 
-    def observe_hidden(self, positions: Sequence[int], hidden) -> None:
-        for s in self.sources:
-            if isinstance(s.drafter, HiddenStateDrafter):
-                s.drafter.observe_hidden(positions, hidden)
+    def _observe_sources(self, outcome: StepOutcome, drafted: Source | None) -> None:
+        super()._observe_sources(outcome, drafted)
+        if outcome.hidden is not None:
+            for s in self.sources:
+                if s is not drafted and isinstance(s.drafter, HiddenStateDrafter):
+                    s.drafter.observe(StepOutcome(hidden=outcome.hidden))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -40,9 +40,9 @@ class DraftOffer:
 
 class PlannedDrafter(DrafterBase):
     """Extension of the drafter contract for a drafter that chooses its own K from measured
-    costs (:class:`specdecode.control.controller.SpeculationController`): the engine hands it
-    every verification's timing, asks it for offers in a batched step, and shows its
-    explanation in the statistics."""
+    costs (:class:`specdecode.control.controller.SpeculationController`): the engine asks it
+    for offers in a batched step (its outcomes carry the verifications' timing, as every
+    drafter's do, and its explanation is every drafter's ``explain``)."""
 
     plans_k = True
 
@@ -60,18 +60,8 @@ class PlannedDrafter(DrafterBase):
         """The batch planner's K for the next proposal (after an offer); None: alone."""
 
     @abstractmethod
-    def observe_verification(self, n: int, seconds: float, sample: bool = True) -> None:
-        """The target verified n tokens (last committed + drafts) in ``seconds``; sample: the
-        time is one forward of n tokens as the cost curve times them (False for a forward in
-        batch-invariant mode on one thread, or a step split into several forwards)."""
-
-    @abstractmethod
     def explain(self) -> str:
         """One line on what the drafters did in the last generation and why."""
-
-    def observe_confidence(self, p_top1: "float | Callable[[], float]") -> None:
-        """The target's top-1 probability at the last verified position, or a function that
-        computes it (called only if needed; default: ignored)."""
 
 
 def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], caps: Sequence[int]) -> None:
@@ -79,7 +69,7 @@ def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], c
     drafter its quota. drafters, contexts, caps: [B] each generation's drafter, committed
     tokens and largest K. A drafter without an offer drafts its own way (its cap counts as
     fixed tokens of the forward)."""
-    offers = [d.offer(ctx, cap) if cap > 0 and isinstance(d, PlannedDrafter) else None
+    offers = [d.offer(ctx, cap) if cap > 0 and d.plans_k else None
               for d, ctx, cap in zip(drafters, contexts, caps)]
     planned = [i for i, o in enumerate(offers) if o is not None]
     if not planned:
@@ -90,29 +80,6 @@ def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], c
                              offers[planned[0]].costs.upto)
     for i, q in zip(planned, quotas):
         drafters[i].set_quota(q)
-
-
-def end_plan(drafter: Drafter) -> str:
-    """A generation ended: drop any quota and return the drafter's explanation ("" for a
-    drafter that does not plan)."""
-    if not isinstance(drafter, PlannedDrafter):
-        return ""
-    drafter.set_quota(None)
-    return drafter.explain()
-
-
-def observe_confidence(drafter: Drafter, logits_row) -> None:
-    """Hand a planned drafter the target's top-1 probability of a verified position's
-    logits [V] (one softmax row; others skip it)."""
-    if isinstance(drafter, PlannedDrafter):  # float32 exp (0.2 ms at 152k), float64 sum: only when asked
-        z = np.asarray(logits_row)
-        drafter.observe_confidence(lambda: float(1.0 / np.exp(z - z.max()).sum(dtype=np.float64)))
-
-
-def observe_verification(drafter: Drafter, n: int, seconds: float, sample: bool = True) -> None:
-    """Hand a verification's timing to a planned drafter (others ignore it)."""
-    if isinstance(drafter, PlannedDrafter):
-        drafter.observe_verification(n, seconds, sample)
 
 
 def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target) -> int:

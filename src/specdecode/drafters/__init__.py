@@ -9,11 +9,11 @@ drafter over several of them.
 """
 
 from .base import (ContinuationRule, Draft, Drafter, DrafterBase, HiddenStateDrafter, IncrementalDrafter,
-                   LookupDrafter, Match, NoDrafter)
+                   LookupDrafter, Match, NoDrafter, StepOutcome)
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .prediction import PredictionDrafter
 from .suffix import SuffixDrafter
 
 __all__ = ["ContinuationRule", "Draft", "Drafter", "DrafterBase", "HiddenStateDrafter", "IncrementalDrafter",
-           "LookupDrafter", "Match", "NoDrafter", "ModelDrafter", "NgramDrafter", "PredictionDrafter", "SuffixDrafter"]
+           "LookupDrafter", "Match", "NoDrafter", "StepOutcome", "ModelDrafter", "NgramDrafter", "PredictionDrafter", "SuffixDrafter"]

@@ -1,12 +1,14 @@
 """The drafter contract: cheap guesses of the next K tokens.
 
-Every drafter has one signature, ``propose(context, k) -> Draft``, and a feedback hook
-``observe(num_accepted)``, within a small lifecycle (as llama.cpp's
-``common/speculative.h``: init / begin / draft / accept / free):
+Every drafter has one signature, ``propose(context, k) -> Draft``, and one feedback door,
+``observe(outcome)``, within a small lifecycle (as llama.cpp's ``common/speculative.h``: init /
+begin / draft / accept / free):
 
-    start(prompt_ids, sampler)   once per generation, before any proposal
+    start(prompt_ids, sampler)   once per generation, before any proposal (and the prefill)
     propose(context, k)          the next up-to-k tokens after context
-    observe(num_accepted)        how many of the last proposal the target accepted
+    observe(outcome)             what the step did: a StepOutcome (accepted, drafted, the
+                                 target's rows, the forward's timing, hidden states), once
+                                 per step after it committed, and once after the prefill
     finish(committed)            end of the generation: drop state past the committed text
     close()                      free what the drafter owns (draft models)
     fork(seq)                    a drafter for another concurrent generation (KV sequence seq)
@@ -36,7 +38,7 @@ import numpy as np
 from ..errors import SpecDecodeError
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend
+    from ..backends.base import Backend, HiddenRows
     from ..sampling import Sampler
 
 # keep_drafting(i, p_cum) -> bool: asked before drafting token i+1 (i >= 1 drafted so far),
@@ -84,6 +86,43 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class StepOutcome:
+    """What one step tells a generation's drafter, through its one feedback door
+    (:meth:`Drafter.observe`), after the step committed: gpt-fast's step returns its tokens
+    and the caller keeps the books; llama.cpp hands the verified batch to its speculator in
+    one call. The prefill's outcome drafted nothing and may carry hidden states.
+
+    num_accepted: drafted tokens the target accepted (a tree: the nodes of its accepted path).
+    num_drafted: drafted tokens verified for this generation (0: a plain step, the prefill).
+    target_logits: [A+1, V] the target's verification logits of the committed positions (A =
+        num_accepted; row A gave the recovered or bonus token), None for the prefill.
+    verified_tokens, seconds, timed: the step's target forward over the whole batch: its
+        tokens (each generation's last committed token and drafts), the seconds of forward and
+        verification, and whether that is a sample of T(verified_tokens) as the cost curve
+        times one (False in batch-invariant mode, or a step split into several forwards). The
+        batch's timing is handed to its first generation only (forks share one curve); 0 for
+        the others and the prefill.
+    hidden: the target's final hidden states of this generation's verified rows (or the
+        prefill's last row), for a :class:`HiddenStateDrafter`; None otherwise.
+    """
+
+    num_accepted: int = 0
+    num_drafted: int = 0
+    target_logits: np.ndarray | None = None
+    verified_tokens: int = 0
+    seconds: float = 0.0
+    timed: bool = False
+    hidden: "HiddenRows | None" = None
+
+    def top1_probability(self) -> float:
+        """The target's top-1 probability at the position of its own token (the last row of
+        target_logits): near 1 through a copy. One float32 softmax row (0.2 ms at V = 152k),
+        so a drafter calls it only when it needs it."""
+        z = np.asarray(self.target_logits[-1])
+        return float(1.0 / np.exp(z - z.max()).sum(dtype=np.float64))
+
+
+@dataclass(frozen=True)
 class DraftingRequest:
     """What one generation asks of its drafter, handed over once after ``start`` through the
     one door :meth:`Drafter.configure` (resolved from the request's options by
@@ -126,8 +165,8 @@ class Drafter(Protocol):
         """Up to k tokens to follow context [L] (committed tokens: prompt and output).
         May return fewer, or none."""
 
-    def observe(self, num_accepted: int) -> None:
-        """The target accepted the first num_accepted tokens of the last proposal."""
+    def observe(self, outcome: "StepOutcome") -> None:
+        """What the last step did (after it committed; the prefill's outcome drafted nothing)."""
 
     def finish(self, committed: Sequence[int]) -> None:
         """The generation ended with committed [L]: nothing past it may stay cached."""
@@ -213,7 +252,7 @@ class DrafterBase(ABC):
     def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
         pass
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, outcome: "StepOutcome") -> None:
         pass
 
     def finish(self, committed: Sequence[int]) -> None:
@@ -304,15 +343,11 @@ class IncrementalDrafter(DrafterBase):
 
 
 class HiddenStateDrafter(DrafterBase):
-    """Extension: drafts from the target's final hidden states, handed over after each
-    verifying forward (as llama.cpp's ``common_speculative_process`` hands the verifying
-    batch to its speculator). The engine asks the target for them only in a step where a
+    """Extension: drafts from the target's final hidden states, handed over in each step's
+    outcome (``StepOutcome.hidden``: the verifying forward's rows of this generation, or the
+    prefill's last row), as llama.cpp's ``common_speculative_process`` hands the verifying
+    batch to its speculator. The engine asks the target for them only in a step where a
     running generation's drafter is one of these."""
-
-    @abstractmethod
-    def observe_hidden(self, positions: Sequence[int], hidden) -> None:
-        """The target's final hidden states [M, H] at absolute positions [M] of this
-        generation's sequence, from the step's verifying forward (or the prefill's last row)."""
 
 
 class NoDrafter(DrafterBase):

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
 from ..files import atomic_path, sha256_file
-from .base import Draft, HiddenStateDrafter
+from .base import Draft, HiddenStateDrafter, StepOutcome
 from .tree import TreeDrafting
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ class HeadsDrafter(HiddenStateDrafter, TreeDrafting):
     """Drafts with K heads on the target's final hidden state (Stern et al. 2018; Medusa-1).
 
     The engine hands over the hidden states of each verifying forward of this generation
-    (and of the prefill's last position; :meth:`observe_hidden`). Each proposal reads the
+    (and of the prefill's last position) in each step's outcome (:meth:`observe`). Each proposal reads the
     one at position L - 2 of the context [L] (the position whose output gave the last
     committed token), and head k proposes the k-th token after the last committed one:
     greedy, each head's argmax over its subset; sampled, a draw from each head's
@@ -209,10 +209,12 @@ class HeadsDrafter(HiddenStateDrafter, TreeDrafting):
         return self.heads.num_heads
 
     def start(self, prompt_ids: Sequence[int], sampler: "Sampler") -> None:
-        self._sampler = sampler  # the prefill's row (observe_hidden) was handed over before this
+        self._sampler = sampler
+        self._positions, self._hidden = [], None  # the prefill's row comes in its outcome, after this
 
-    def observe_hidden(self, positions: Sequence[int], hidden) -> None:
-        self._positions, self._hidden = list(positions), hidden
+    def observe(self, outcome: StepOutcome) -> None:
+        if outcome.hidden is not None:
+            self._positions, self._hidden = list(outcome.hidden.positions), outcome.hidden.hidden
 
     def finish(self, committed: Sequence[int]) -> None:
         self._positions, self._hidden = [], None

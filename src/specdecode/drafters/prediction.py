@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .base import Draft, DraftingRequest, LookupDrafter, Match
+from .base import Draft, DraftingRequest, LookupDrafter, Match, StepOutcome
 
 # Tokens of agreement with the output's end that re-align a lost prediction: MIN_ALIGN in
 # general, MIN_ALIGN_LINE when the agreement ends a line (a diff's next unchanged line).
@@ -189,7 +189,8 @@ class PredictionDrafter(LookupDrafter):
         self._last_k = len(ids)
         return Draft(ids)
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
+        num_accepted = outcome.num_accepted
         k, self._last_k = self._last_k, 0
         if k == 0:
             return

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
-from .base import ContextMemo, Draft, LookupDrafter, Match
+from .base import ContextMemo, Draft, LookupDrafter, Match, StepOutcome
 
 # An index key packs the last 3 tokens ending at a position, newest in the high bits:
 # c(t[p]) << 42 | c(t[p-1]) << 21 | c(t[p-2]), c(t) = t + 1 (0 before a sequence's start).
@@ -180,9 +180,9 @@ class SuffixDrafter(LookupDrafter):
         self._support = plan.support if tokens else None
         return Draft(list(tokens))
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
         support, self._support = self._support, None
-        if num_accepted > 0 and support is not None and len(support):
+        if outcome.num_accepted > 0 and support is not None and len(support):
             seq = np.searchsorted(self._starts, support, side="right") - 1
             for sid in np.unique(self._ids[seq]).tolist():
                 self._seqs.move_to_end(sid)

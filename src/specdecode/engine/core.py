@@ -1,19 +1,19 @@
-"""The engine's step: one batched step drafts, verifies and commits for every running
-generation (:class:`SpeculativeEngine`); :mod:`.forwards` runs the step's forwards (batch
-invariance), :mod:`specdecode.trees.step` verifies a tree of drafts. The package docstring is the map."""
+"""The engine's step: one batched step drafts, verifies, commits and tells each drafter what
+happened, for every running generation (:class:`SpeculativeEngine`); :mod:`.forwards` runs the
+step's forwards (batch invariance), :mod:`.tree_step` verifies a tree of drafts,
+:mod:`.generation` holds what a generation and a slot keep. The package docstring is the map."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, SeqForward, common_prefix_len, tree_prefix_within
+from ..backends.base import Backend, SeqForward, tree_prefix_within
 from ..control.invariance import measure_invariant_block
-from ..control.planner import end_plan, observe_confidence, observe_verification, plan_batch, tree_budget
-from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter
+from ..control.planner import plan_batch, tree_budget
+from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter, StepOutcome
 from ..drafters.kinds import resolve_request
 from ..errors import ContextOverflowError, SpecDecodeError
 from ..grammar import GrammarConstraint
@@ -22,56 +22,12 @@ from ..output import GenerationResult, OutputAccumulator, TextDelta, TokenLogpro
 from ..request import GenerationOptions
 from ..sampling import Sampler
 from .forwards import BatchForwards
-from .tree_step import tree_step
-from ..verify import (VerifyResult, committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling)
+from .generation import Generation, Slot, Verified
+from .tree_step import verify_tree_block
+from ..backends.base import HiddenRows
+from ..verify import committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling
 
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
-
-
-@dataclass(eq=False)
-class Generation:
-    """One generation in progress (made by :meth:`SpeculativeEngine.begin`).
-
-    committed: prompt and emitted tokens. slot: the engine slot (KV sequence) it runs in.
-    k: its cap on drafted tokens per step. done: no further step is needed.
-    """
-
-    committed: list[int]  # prompt and emitted tokens
-    drafter: Drafter
-    sampler: Sampler
-    out: OutputAccumulator
-    slot: "Slot"
-    k: int
-    prompt_len: int
-    invariant: bool = False  # verified batch-invariantly (GenerationOptions.invariant)
-    tree_nodes: int = 0  # the node budget of its trees of drafts (0: chains)
-
-    @property
-    def done(self) -> bool:
-        return self.out.finish_reason is not None or self.room < 0
-
-    @property
-    def room(self) -> int:
-        """Drafts that still fit: a step commits up to k+1 tokens; prompt plus output never
-        exceeds n_ctx."""
-        return self.slot.n_ctx - len(self.committed) - 1
-
-
-@dataclass(eq=False)
-class Slot:
-    """One KV sequence of the target (and of shared draft models) and what it caches.
-
-    seq: the sequence id. drafter: this slot's drafter (forked from the engine's).
-    cached: the tokens in the target's cache of seq (for prefix reuse across generations).
-    gen: the generation running in it, or None when free.
-    """
-
-    seq: int
-    drafter: Drafter
-    n_ctx: int
-    cached: list[int] = field(default_factory=list)
-    gen: Generation | None = None
-    last_used: int = 0
 
 
 class SpeculativeEngine:
@@ -177,11 +133,11 @@ class SpeculativeEngine:
             gen.invariant = block >= 2 or options.batch_invariant == "on"
             out.stats.invariant_block = block if gen.invariant else 0
         if gen.invariant:
-            where.cached = []  # no reuse: the prompt is prefilled as a fresh start would
+            where.forget()  # no reuse: the prompt is prefilled as a fresh start would
         self.forwards.set_invariant(gen.invariant)
         gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target)
-        self._prefill(where, gen.committed, gen.drafter)
         gen.drafter.start(prompt_ids, sampler)
+        self._prefill(where, gen.committed, gen.drafter)
         if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free
             gen.drafter.configure(choice.drafting)
         where.gen = gen
@@ -200,7 +156,7 @@ class SpeculativeEngine:
         if not free:
             raise SpecDecodeError(f"no free slot among {len(self.slots)}" if slot is None else f"slot {slot} is busy",
                                   param="slot")
-        return max(free, key=lambda s: (common_prefix_len(s.cached, prompt_ids, len(prompt_ids) - 1), -s.last_used))
+        return max(free, key=lambda s: (s.reusable(prompt_ids), -s.last_used))
 
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
         """One batched step for the running generations ``gens`` (distinct, not done): each
@@ -222,21 +178,23 @@ class SpeculativeEngine:
             gen.out.stats.draft_s += time.perf_counter() - t0
             blocks.append((draft_ids, draft_probs))
         t1 = time.perf_counter()
-        if parents is not None:  # one generation's tree of drafts
-            return [tree_step(self, gens[0], blocks[0][0], parents, t1)]
-        items = [SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
-                 for gen, (ids, _) in zip(gens, blocks)]
-        logits, hidden, sample = self.forwards.run(gens, items)
-        for gen in gens:
-            if gen.slot.seq in hidden:
-                gen.drafter.observe_hidden(*hidden[gen.slot.seq])
-        verified = [self._verify(gen, ids, probs, lg) for gen, (ids, probs), lg in zip(gens, blocks, logits)]
+        if parents is not None:  # one generation's tree of drafts, alone in the step
+            verified, sample = [verify_tree_block(self.target, gens[0], blocks[0][0], parents)], True
+        else:
+            items = [SeqForward(gen.slot.seq, [gen.committed[-1]] + ids, range(len(ids) + 1))  # [k+1, V] each
+                     for gen, (ids, _) in zip(gens, blocks)]
+            logits, hidden, sample = self.forwards.run(gens, items)
+            verified = [self._verify(gen, ids, probs, lg, hidden.get(gen.slot.seq))
+                        for gen, (ids, probs), lg in zip(gens, blocks, logits)]
         t2 = time.perf_counter()
-        observe_verification(gens[0].drafter, sum(len(ids) + 1 for ids, _ in blocks), t2 - t1, sample)
+        n = sum(len(ids) + 1 for ids, _ in blocks)  # the step's verified tokens, over the batch
         deltas = []
-        for gen, (ids, _), lg, result in zip(gens, blocks, logits, verified):
+        for i, (gen, v) in enumerate(zip(gens, verified)):
             gen.out.stats.verify_s += t2 - t1
-            deltas.append(self.commit(gen, ids, *result, lg))
+            deltas.append(self.commit(gen, v))
+            a = v.result.num_accepted  # the one feedback door; the batch's timing rides with the first
+            gen.drafter.observe(StepOutcome(a, v.num_drafted, v.logits[:a + 1], n if i == 0 else 0, t2 - t1, sample,
+                                            v.hidden))
         return deltas
 
     def _draft(self, gen: Generation, k: int, tree_ok: bool = False) -> tuple[list[int], np.ndarray | None, list | None]:
@@ -258,21 +216,18 @@ class SpeculativeEngine:
         k = len(draft_ids)
         return draft_ids, draft.probs[:k] if draft.probs is not None else None, None  # [k, V] or one-hot
 
-    def commit(self, gen: Generation, draft_ids: list[int], result: VerifyResult, gaps: list[float] | None,
-                logits: np.ndarray) -> TextDelta:
+    def commit(self, gen: Generation, v: Verified) -> TextDelta:
         """Commit the accepted drafts and the target's token; roll the slot's sequence back
         to the KV invariant; returns the text delta."""
-        new = gen.out.cut(committed_tokens(draft_ids, result))
+        new = gen.out.cut(committed_tokens(v.draft_ids, v.result))
         if gen.sampler.constraint is not None:
             gen.sampler.constraint.commit(new)
         committed, slot = gen.committed, gen.slot
         committed.extend(new)
         self.target.rollback(len(committed) - 1, seq=slot.seq)
-        slot.cached = committed[:-1]
+        slot.cached_len = len(committed) - 1  # slot.tokens is committed itself
         assert self.target.seq_len(slot.seq) == len(committed) - 1, "target KV length must be committed length - 1"
-        observe_confidence(gen.drafter, logits[result.num_accepted])
-        gen.drafter.observe(result.num_accepted)
-        return gen.out.add(new, result.num_accepted, len(draft_ids), logits, gaps, gen.drafter.last_source)
+        return gen.out.add(new, v.result.num_accepted, len(v.draft_ids), v.logits, v.gaps, gen.drafter.last_source)
 
     def end(self, gen: Generation) -> list[TextDelta | GenerationResult]:
         """Finish a generation (done, or stopped early: a cancelled request) and free its
@@ -285,11 +240,11 @@ class SpeculativeEngine:
             final_len = gen.prompt_len + len(out.emitted)
             if self.target.seq_len(slot.seq) > final_len - 1:
                 self.target.rollback(final_len - 1, seq=slot.seq)
-                slot.cached = slot.cached[: final_len - 1]
+            slot.tokens, slot.cached_len = gen.committed[:final_len - 1], min(slot.cached_len, final_len - 1)
             gen.drafter.finish(gen.committed[:final_len])
         finally:
             slot.gen = None
-            out.stats.controller_note = end_plan(gen.drafter)
+            out.stats.controller_note = gen.drafter.explain()
             out.stats.weights = getattr(self.target, "weights_note", "")  # (fakes in tests may lack it)
             if (counts := gen.drafter.input_counts()) is not None:
                 out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens = counts
@@ -299,7 +254,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _verify(gen: Generation, draft_ids: list[int], draft_probs: np.ndarray | None,
-                logits: np.ndarray) -> tuple[VerifyResult, list[float] | None]:
+                logits: np.ndarray, hidden: HiddenRows | None) -> Verified:
         """The acceptance rule on the target's logits [k+1, V]: greedy match; under sampling
         the target's position-keyed choices ("gumbel" rule) or speculative sampling on the
         sampler-shaped distributions ("rejection"). Also the top-2 gap of the scores the rule
@@ -319,9 +274,9 @@ class SpeculativeEngine:
         else:
             target_probs = np.stack([sampler.probs(logits[i], hist(i)) for i in range(k + 1)])  # [k+1, V]
             result = verify_speculative_sampling(draft_ids, draft_probs, target_probs, sampler.rng)
-        if gen.out.gaps is None:
-            return result, None
-        return result, [top2_gap(sampler.scores(logits[i], hist(i), base + i)) for i in range(result.num_accepted + 1)]
+        gaps = None if gen.out.gaps is None else [top2_gap(sampler.scores(logits[i], hist(i), base + i))
+                                                  for i in range(result.num_accepted + 1)]
+        return Verified(draft_ids, k, result, gaps, logits, hidden)
 
     def _check(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
@@ -333,25 +288,25 @@ class SpeculativeEngine:
 
     def _prefill(self, slot: Slot, committed: list[int], drafter: Drafter) -> None:
         """Cache committed[:-1] in the slot's sequence (see the KV invariant), reusing the
-        longest cached prefix; a drafter that reads hidden states gets the last position's
-        (where the backend gives it), for the first step's draft."""
-        keep = common_prefix_len(slot.cached, committed, len(committed) - 1)
-        slot.cached = []  # until the forward succeeds
+        longest cached prefix; a drafter that reads hidden states gets the last position's in
+        the prefill's outcome (where the backend gives it), for the first step's draft."""
+        keep = slot.reusable(committed)
+        slot.forget()  # until the forward succeeds
         self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
         n = len(committed) - 1 - keep
         if n > 0 and isinstance(drafter, HiddenStateDrafter):
             _, hidden = self.target.forward_batch_hidden([SeqForward(slot.seq, committed[keep:-1], [n - 1])],
                                                          {slot.seq})
-            drafter.observe_hidden(*hidden[slot.seq])
+            drafter.observe(StepOutcome(hidden=hidden.get(slot.seq)))
         elif n > 0:
             self.target.forward(committed[keep:-1], logits_for=[], seq=slot.seq)
-        slot.cached = committed[:-1]
+        slot.tokens, slot.cached_len = committed, len(committed) - 1
 
     def forget_prefix(self) -> None:
         """Make the next generation prefill its whole prompt (no reuse of the cached prefix),
         e.g. so that side-by-side runs pay the same prefill."""
         for slot in self.slots:
-            slot.cached = []
+            slot.forget()
 
     def generate(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
                  drafter: Drafter | None = None, **fields) -> GenerationResult:

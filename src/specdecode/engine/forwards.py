@@ -77,7 +77,7 @@ class BatchForwards:
     def invariant_block(self, slot: Any) -> int:
         """The target's invariant_block, measured on the slot's sequence the first time."""
         if self.target.invariant_block is None:
-            slot.cached = []
+            slot.forget()
             self._invariant_mode = False
             self.target.invariant_block = max(1, int(self.invariance(self.target, slot.seq)))
         return self.target.invariant_block
