@@ -38,22 +38,9 @@ from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, Two
 from .sources import Plan, SharedCosts, Source, SourceSet
 from .tree_plan import shape_tree, tree_depth
 from .planner import DraftOffer, PlannedDrafter
-from ..limits import AUTO_KMAX
+from .report import GenerationBooks
+from ..limits import AUTO_KMAX, CATCH_UP_HORIZON, CONFIRM_BLOCK, COST_EMA, NEW_TEXT_KEEP
 from ..sampling import Sampler
-
-
-# A drafter that did not have its whole last proposal accepted (a new copy, or a broken
-# one) drafts at most this many tokens: a long match that turns out wrong then costs one
-# verification of 9 tokens, not of 33 (on a CPU, T(33) is about 12 plain steps). Once a
-# block is fully accepted the copy is confirmed and the next proposal may go to AUTO_KMAX.
-# Replayed over the suite's held-out outputs with measured T(n), this raised code editing
-# from 1.37x to 1.46x and left the other categories within 0.01x.
-CONFIRM_BLOCK = 8
-COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
-NEW_TEXT_KEEP = 0.5  # of a match kind's evidence, the share a new generation keeps
-# A draft model that has not seen the text must first catch up on it, a one-off cost. It is
-# paid when the drafter's steady rate repays it within this many committed tokens.
-CATCH_UP_HORIZON = 64
 
 
 class SpeculationController(PlannedDrafter):
@@ -125,12 +112,7 @@ class SpeculationController(PlannedDrafter):
         self._run = 0  # drafted tokens accepted in a row
         self._confidence = 0.5  # the target's top-1 probability at the last verified position
         self.choices: Counter = Counter()  # (drafter name or "none") -> steps, over all generations
-        # This generation's books, for explain(): steps drafted by each source, the K they
-        # drafted, and (lookup drafters) steps where they had a match.
-        self._steps = 0
-        self._used: Counter = Counter()
-        self._ks: dict[str, list[int]] = {}
-        self._matched: Counter = Counter()
+        self.books = GenerationBooks()  # this generation's, for explain()
         self.guard = guard or SpeedGuard()
         self.measurement_note = ""  # how the cost curve was measured, when it is worth saying
         self.choice = SourceSet(self.sources)  # which sources this generation may draft with
@@ -173,19 +155,12 @@ class SpeculationController(PlannedDrafter):
             for rates in (s.bands or {}).values():
                 rates.fade(NEW_TEXT_KEEP)
         self._plain_streak = 0
-        self._steps = 0
-        self._used.clear()
-        self._ks.clear()
-        self._matched.clear()
+        self.books.clear()
         self.guard.reset()
 
     def configure(self, request: DraftingRequest) -> None:
         """This generation's choice and request-fed inputs (after :meth:`start`): :meth:`SourceSet.configure`."""
         self.choice.configure(request)
-
-    def restrict(self, names: Sequence[str] | None, fixed: bool = False) -> None:
-        """Draft only with the sources named, at a fixed K when fixed (:meth:`SourceSet.restrict`)."""
-        self.choice.restrict(names, fixed)
 
     def names(self) -> list[str]:
         return self.choice.names()
@@ -197,33 +172,11 @@ class SpeculationController(PlannedDrafter):
         return self.choice.input_counts()
 
     def explain(self) -> str:
-        """What each drafter did in the last generation, and why an unused one was not used:
-        no match in the text, a measured cost that cannot pay even if every draft were
-        accepted, or an estimated acceptance too low for this machine's T(n)."""
-        parts = []
-        for s in self.sources:
-            if ((s.drafter.request_fields and s.drafter.input_counts() is None) or not self.choice.allows(s)) \
-                    and not self._used[s.name]:
-                continue  # its request field was not given, or the request chose other drafters: nothing to say
-            n = self._used[s.name]
-            if n:
-                ks = self._ks[s.name]
-                span = f"K {min(ks)}-{max(ks)}" if min(ks) != max(ks) else f"K {ks[0]}"
-                parts.append(f"{s.label} drafted in {n} of {self._steps} steps ({span})")
-            elif s.bands is not None:
-                m = self._matched[s.name]
-                parts.append(f"{s.label}: no match in the text" if not m else
-                             f"{s.label}: matches at {m} steps, none likely enough to pay here")
-            else:
-                ratio = s.draft_cost / self._T[1]
-                if self.plan(s, self.kmax, alpha=1.0)[0] == 0:
-                    parts.append(f"{s.label} not used: it costs {ratio:.2f} of a target step on this machine, "
-                                 "so it cannot pay even if every draft is accepted")
-                else:
-                    parts.append(f"{s.label} not used: at its estimated acceptance {s.estimator.alpha:.2f} it does "
-                                 f"not pay (it costs {ratio:.2f} of a target step)")
-        parts += [p for p in (self.guard.explain(), self.measurement_note) if p]
-        return "; ".join(parts)
+        """What each drafter did in the last generation, and why an unused one was not used
+        (:meth:`GenerationBooks.explain`)."""
+        return self.books.explain(self.sources, self.choice, self._T[1],
+                                  lambda s: self.plan(s, self.kmax, alpha=1.0)[0] > 0,
+                                  [self.guard.explain(), self.measurement_note])
 
     def finish(self, committed: Sequence[int]) -> None:
         self.set_quota(None)  # a batch's quota is for its step, not for a next generation
@@ -281,32 +234,32 @@ class SpeculationController(PlannedDrafter):
             est, avail = s.estimator_for(context, known) if k > 0 else (None, 0)
             if est is None:
                 continue
-            self._matched[s.name] += 1
+            self.books.matched[s.name] += 1
             cap = min(k, avail)
             if not (s is self._prev_source and self._prev_full or s.drafter.confirmed):
                 cap = min(cap, CONFIRM_BLOCK)
             extra = s.catch_up(context)
-            kk, rate = self.plan(s, cap, extra, estimator=est)
-            if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (trees/plan.py)
-                kk = tree_depth(s.drafter, kk, cap)
-            if kk == 0 and extra > 0:
+            k_best, rate = self.plan(s, cap, extra, estimator=est)
+            if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (control/tree_plan.py)
+                k_best = tree_depth(s.drafter, k_best, cap)
+            if k_best == 0 and extra > 0:
                 # The catch-up is paid once, not every step: worth it when the time the
                 # steady rate saves per token repays it within the horizon.
-                k_s, r_s = self.plan(s, cap, 0.0, estimator=est)
-                if k_s > 0 and extra <= CATCH_UP_HORIZON * (self._T[1] - 1.0 / r_s):
-                    kk, rate = k_s, r_s
+                k_steady, rate_steady = self.plan(s, cap, 0.0, estimator=est)
+                if k_steady > 0 and extra <= CATCH_UP_HORIZON * (self._T[1] - 1.0 / rate_steady):
+                    k_best, rate = k_steady, rate_steady
             # Probe only a drafter that could pay at all: with every draft accepted, after
             # its catch-up (on a CPU a draft model that lags the text never does); for a
             # kind of prompt-lookup match, at its prior acceptance.
             probe = False
-            if probes and kk == 0 and self._plain_streak >= s.probe_gap:
+            if probes and k_best == 0 and self._plain_streak >= s.probe_gap:
                 could = (self.plan(s, cap, extra, estimator=est.fresh()) if isinstance(est, FeatureEstimator)
                          else self.plan(s, cap, extra, alpha=1.0))
                 probe = could[0] > 0 or (s.bands is not None and self._plain_streak >= max(s.probe_gap,
                                                                                           self.explore_every))
             if probe:
-                kk, rate = min(2, cap), -s.draft_cost  # cheapest probe first
-            plans.append(Plan(rate, s, kk, probe, est, cap))
+                k_best, rate = min(2, cap), -s.draft_cost  # cheapest probe first
+            plans.append(Plan(rate, s, k_best, probe, est, cap))
         return plans
 
     def offer(self, context: Sequence[int], k: int) -> DraftOffer | None:
@@ -316,7 +269,7 @@ class SpeculationController(PlannedDrafter):
         to say. The engine's batch planner then sets this generation's quota."""
         self._offered = None
         plans = self._candidates(context, k, probes=False)
-        self._matched.subtract({p.source.name: 1 for p in plans})  # counted again when proposing
+        self.books.matched.subtract({p.source.name: 1 for p in plans})  # counted again when proposing
         plans = [p for p in plans if p.cap > 0]
         if not plans:
             return None
@@ -335,7 +288,7 @@ class SpeculationController(PlannedDrafter):
         cap that the engine allows this step. With a quota from the batch planner, the
         offered drafter drafts that many instead."""
         self._last, self._last_est, self._last_k, self._last_probe = None, None, 0, False
-        self._steps += 1
+        self.books.steps += 1
         self._proposed, started = True, time.perf_counter()
         try:
             return self._propose(context, k)
@@ -350,14 +303,15 @@ class SpeculationController(PlannedDrafter):
         elif not self.guard.allows_drafting():
             plans = []
         elif quota is not None and offered is not None:
-            self._matched[offered.source.name] += 1
+            self.books.matched[offered.source.name] += 1
             plans = [offered._replace(k=min(quota, k), probe=False)] if min(quota, k) > 0 else []
         else:
             plans = [p for p in self._candidates(context, k) if p.k > 0]
-        for _, s, kk, probe, est, _ in sorted(plans, key=lambda p: -p.rate):
+        for plan in sorted(plans, key=lambda p: -p.rate):
+            s = plan.source
             # A draft model that must first read many committed tokens times its catch-up, not its drafting.
             t0, behind = time.perf_counter(), isinstance(s.drafter, IncrementalDrafter) and s.drafter.pending(context) > 4
-            draft = s.drafter.propose(context, kk)
+            draft = s.drafter.propose(context, plan.k)
             drafted_s = time.perf_counter() - t0
             draft, levels, first = shape_tree(draft, s, self._costs, drafted_s)  # a tree: the prefix that pays
             self._tree_expected = sum(draft.node_probs) if draft.parents is not None and draft.node_probs else None
@@ -365,12 +319,11 @@ class SpeculationController(PlannedDrafter):
                 # The measured one-token forward underestimates what drafting really costs (sampling, Python):
                 # follow the observed cost, per level drafted (a tree's depth).
                 s.draft_cost += 0.0 if behind else COST_EMA * (drafted_s / max(levels, 1) - s.draft_cost)
-                self._last, self._last_est, self._last_k, self._last_probe = s, est, first, probe
+                self._last, self._last_est, self._last_k, self._last_probe = s, plan.estimator, first, plan.probe
                 self._last_rows = len(draft.token_ids) + 1  # verified rows (a tree's nodes, the root)
                 self._plain_streak = 0
                 self.choices[s.name] += 1
-                self._used[s.name] += 1
-                self._ks.setdefault(s.name, []).append(len(draft.token_ids))
+                self.books.drafted(s.name, len(draft.token_ids))
                 return draft
         self._plain_streak += 1
         self.choices["none"] += 1
