@@ -189,7 +189,7 @@ def test_the_cap_holds_over_many_requests_and_drafts_survive_compaction():
         assert d.stored_tokens <= cap
         assert d.stored_tokens == sum(len(s) for s in d.history())
         assert d.history()[-1] == seq(tag, n)
-    assert d._used < 2 * cap + 1100  # evicted space was reclaimed (12k tokens went through)
+    assert d.store.used < 2 * cap + 1100  # evicted space was reclaimed (12k tokens went through)
     # Whatever is stored still drafts exactly; the evicted do not.
     for s in d.history():
         if len(s) >= 6:
