@@ -18,6 +18,18 @@ Request bodies over ``max_body_bytes`` (default 4 MiB, ``--max-body-bytes``) get
 (code request_too_large) before they are parsed: from their Content-Length, or, sent
 chunked, as soon as what has arrived passes the limit.
 
+Clients that hold the server without using it: a connection must send each request's head
+within ``header_timeout`` seconds (default 30, ``--header-timeout``: from its opening, or from
+a later request's first byte) and its whole body within ``body_timeout`` seconds of the head
+(default 60, ``--body-timeout``); past either it gets 408 (code header_timeout /
+body_timeout) and is closed. The head's deadline is uvicorn's protocol with
+:func:`.connection.http_protocol` (``specdecode serve`` passes it; an app served by other
+means, Ray Serve's proxy among them, keeps that server's own rules); the body's is the app's.
+A stream may hold at most ``max_unread_bytes`` of output unread in the server (default 1 MiB, ``--max-unread-bytes``; each delta counts its text, its
+logprobs and trace as JSON, and 256 bytes for the event): a client that falls further behind
+has its generation ended and its slot freed, and its stream ends, after the deltas it left,
+with an error (code stream_not_read) in its endpoint's format.
+
 One loaded model pair serves every request. The engine is not thread-safe, so a single
 worker thread runs every generation, up to ``--parallel N`` at once (N slots, each with
 its own KV cache), advanced together in shared batched steps (continuous batching):

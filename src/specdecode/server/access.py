@@ -26,6 +26,8 @@ A refused request gets 403 with an OpenAI-style error naming the header (``param
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -78,32 +80,61 @@ async def drain(scope: dict, receive: Callable) -> None:
             return
 
 
+class BodyTimeout(APIError):
+    """408: a request's body did not arrive within body_timeout seconds of its head."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {seconds:g} seconds of its head "
+                         "(--body-timeout)", code="body_timeout")
+
+
 class DrainUnread:
     """ASGI middleware, outermost: whatever answers a request before reading its whole body
     (a refused Host, Origin or key, a 413, 415, 404 or 405, a GET with a body), the rest of
     the body is read and discarded (:func:`drain`) before the answer starts, so that a client
-    that closes after sending reads the answer instead of a reset connection."""
+    that closes after sending reads the answer instead of a reset connection.
 
-    def __init__(self, app: Any) -> None:
+    body_timeout: seconds (None: no bound) the whole body may take to arrive, from the head
+    (when the app is called): a read of the body past them raises :class:`BodyTimeout`
+    (answered 408 by the app's error handler), and the answer to such a request closes the
+    connection (``Connection: close``) without draining, since a client trickling its body
+    would hold the drain as long as it held the read."""
+
+    def __init__(self, app: Any, body_timeout: float | None = None) -> None:
         self.app = app
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        done = False
+        timeout = self.body_timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        body_done = expired = started = False
 
         async def tracked() -> dict:
-            nonlocal done
-            message = await receive()
+            nonlocal body_done, expired
+            if body_done or deadline is None:  # after the body: the disconnect, however late
+                message = await receive()
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        message = await receive()
+                except TimeoutError:
+                    body_done = expired = True
+                    raise BodyTimeout(timeout) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
-                done = True
+                body_done = True
             return message
 
         async def answer(message: dict) -> None:
-            nonlocal done
-            if message["type"] == "http.response.start" and not done:
-                done = True
-                await drain(scope, tracked)
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                if not body_done:
+                    with contextlib.suppress(BodyTimeout):
+                        await drain(scope, tracked)
+                if expired:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
         await self.app(scope, tracked, answer)

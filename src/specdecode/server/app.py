@@ -139,7 +139,7 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.add_middleware(AccessGuard, policy=HostOriginPolicy(options.host, options.allowed_hosts, options.cors_origins),
                        on_reject=lambda: worker.metrics.rejected.labels(reason="forbidden").inc())
-    app.add_middleware(DrainUnread)
+    app.add_middleware(DrainUnread, body_timeout=options.body_timeout)
     _add_error_handlers(app)
     _Routes(app, decoder, options, worker).add_to(app)
     return app
@@ -361,16 +361,16 @@ class _Routes:
     async def _submit(self, request: Request, parse: Callable[[Any], Any]) -> Job:
         """The request's job, prepared (:meth:`Worker.prepare`, off the worker thread) and
         queued on the worker. Raises APIError (counted as rejected) for a body not sent as
-        JSON (415), too large (413), invalid, refused when prepared (400) or for another
-        model (404), and 429 for a full queue."""
+        JSON (415), too large (413), not arrived within body_timeout (408), invalid, refused
+        when prepared (400) or for another model (404), and 429 for a full queue."""
         arrival = time.perf_counter()
         try:
             body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
             req = parse(body)
             prepared = await self.worker.preparer.prepare_async(req)
         except APIError as e:
-            reason = {404: "model_not_found", 413: "too_large", 415: "unsupported_media_type",
-                      503: "shutting_down"}.get(e.status, "invalid_request")
+            reason = {404: "model_not_found", 408: "body_timeout", 413: "too_large",
+                      415: "unsupported_media_type", 503: "shutting_down"}.get(e.status, "invalid_request")
             self.metrics.rejected.labels(reason=reason).inc()
             raise
         job = Job(req, asyncio.get_running_loop(), arrival, prepared)

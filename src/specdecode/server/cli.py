@@ -17,6 +17,7 @@ from ..errors import SpecDecodeError
 from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
 from .config import (DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_PORT, PREDICTION_BYTES_PER_TOKEN,
                      SENDABLE_KEY, ServerOptions)
+from .config import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_UNREAD_BYTES
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The environment variable that gives the API key when --api-key does not (so that the key
@@ -71,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .connection import http_protocol
 
     options = ServerOptions.from_args(args, api_key_from(args))
     check_listen_address(options.host, options.port)
@@ -96,7 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               flush=True)
         if options.ui:
             print(f"specdecode: the page: http://{options.host}:{options.port}/", flush=True)
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info")
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
+                                http=http_protocol(options.header_timeout))
         worker = app.state.worker
         _server_class()(config, on_exit=lambda: worker.stop(timeout=0)).run()
     return 0
@@ -197,6 +200,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the page at / (a chat that shows which tokens the drafts gave, the speed "
                         "against plain decoding and the cost curve)")
+    s.add_argument("--max-unread-bytes", type=int, default=DEFAULT_MAX_UNREAD_BYTES, metavar="N",
+                   help="the most bytes of output a stream may hold unread in the server; a stream whose client "
+                        "falls further behind is ended with an error event and its slot freed (default: "
+                        "%(default)s = 1 MiB)")
+    s.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
+                   help="seconds a connection may take to send a request's head (request line and headers); "
+                        "past them it gets 408 and is closed (default: %(default)g)")
+    s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                   help="seconds a request's whole body may take to arrive after its head; past them it gets 408 "
+                        "and the connection is closed (default: %(default)g)")
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N replicas of this server as a Ray Serve deployment behind Ray's HTTP proxy on "
                         "--host/--port (needs pip install -e '.[ray]'; each replica loads the models and runs "

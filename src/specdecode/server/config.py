@@ -36,6 +36,13 @@ PREDICTION_BYTES_PER_TOKEN = 16
 # at 3-5 bytes a token): refused before it is tokenized.
 PROMPT_BYTES_PER_TOKEN = 32
 DEFAULT_PORT = 8000
+# The most bytes of output one stream may hold unread in the server (--max-unread-bytes), besides
+# what the sockets' buffers hold: past it the client is not reading, and its generation ends.
+DEFAULT_MAX_UNREAD_BYTES = 1024 * 1024
+# Seconds a connection may take to send a request's head (--header-timeout), from its opening or
+# its next request's first byte, and a request's whole body, from its head (--body-timeout).
+DEFAULT_HEADER_TIMEOUT = 30.0
+DEFAULT_BODY_TIMEOUT = 60.0
 
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
@@ -88,6 +95,11 @@ class _OptionError(SpecDecodeError):
         return SpecDecodeError(self._render(flag), param=flag)
 
 
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise _OptionError(name, value, "a number of seconds > 0")
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -124,6 +136,14 @@ class ServerOptions:
     strict: every request verifies batch-invariantly unless it says ``"speculative":
         {"strict": false}`` (``serve --strict``): each greedy answer is then bit for bit the
         one plain decoding gives it alone, whatever the batch and the drafter.
+    max_unread_bytes: the most bytes of output a stream may hold unread in the server (each
+        delta counts its text, its logprobs and trace as JSON, and 256 bytes for the event
+        itself); a stream over it is ended with an error event and its slot freed.
+    header_timeout: seconds a connection may take to send a request's head, from its
+        opening (or its next request's first byte); past them it gets 408 and is closed.
+        ``specdecode serve`` only: Ray Serve's proxy reads the heads there.
+    body_timeout: seconds a request's whole body may take to arrive after its head; past
+        them it gets 408 (code body_timeout) and the connection is closed.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -144,6 +164,9 @@ class ServerOptions:
     cors_origins: tuple[str, ...] = ()
     max_prediction_tokens: int | None = None
     strict: bool = False
+    max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     def __post_init__(self) -> None:
         for name in ("model_name", "host"):
@@ -163,6 +186,9 @@ class ServerOptions:
         _check_int("replicas", self.replicas, 1, optional=True)
         _check_int("metrics_port", self.metrics_port, 1, 65535, optional=True)
         _check_int("max_prediction_tokens", self.max_prediction_tokens, 1, optional=True)
+        _check_int("max_unread_bytes", self.max_unread_bytes, 1)
+        _check_seconds("header_timeout", self.header_timeout)
+        _check_seconds("body_timeout", self.body_timeout)
         self._check_names()
         for name in ("warmup", "ui", "strict"):
             if not isinstance(getattr(self, name), bool):
@@ -207,7 +233,9 @@ class ServerOptions:
                        max_body_bytes=args.max_body_bytes, api_key=api_key, warmup=True, replicas=args.replicas,
                        autoscaling=autoscaling, metrics_port=args.metrics_port, ui=args.ui,
                        allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins),
-                       max_prediction_tokens=args.max_prediction_tokens, strict=args.strict)
+                       max_prediction_tokens=args.max_prediction_tokens, strict=args.strict,
+                       max_unread_bytes=args.max_unread_bytes, header_timeout=args.header_timeout,
+                       body_timeout=args.body_timeout)
         except _OptionError as e:
             raise e.as_flag() from None
 

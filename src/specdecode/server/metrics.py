@@ -14,12 +14,14 @@ class Metrics:
     """Prometheus counters and histograms of one server, in their own registry.
 
     Names follow vLLM's and llama.cpp server's style (``specdecode:...``). Counts cover
-    requests that finished; a cancelled (client gone) request counts only in
-    request_aborted_total. request_rejected_total counts requests refused before any
-    generation, by reason: forbidden (a Host or Origin refused), unauthorized (missing or
-    wrong API key), unsupported_media_type (a body not sent as JSON), too_large (body over
-    the limit), invalid_request, model_not_found, queue_full. queue_len, running: read at
-    every scrape for the num_requests_waiting / num_requests_running gauges.
+    requests that finished; a cancelled request (client gone, or a stream its client left
+    more than max_unread_bytes unread) counts only in request_aborted_total.
+    request_rejected_total counts requests refused before any generation, by reason:
+    forbidden (a Host or Origin refused), unauthorized (missing or wrong API key),
+    unsupported_media_type (a body not sent as JSON), too_large (body over the limit),
+    body_timeout (a body that did not arrive in time), invalid_request, model_not_found,
+    queue_full. queue_len, running: read at every scrape for the num_requests_waiting /
+    num_requests_running gauges.
     """
 
     def __init__(self, queue_len: Callable[[], int], running: Callable[[], int]) -> None:

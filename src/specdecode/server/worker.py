@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import json
 import threading
 import time
 from collections import deque
@@ -27,6 +28,41 @@ from .metrics import Metrics
 from .protocol import APIError, GenRequest
 from .toolcalls import tool_call_format
 
+# What one unread event holds besides its text, in bytes: the tuple, the queue's entry and the
+# str object (about 250 bytes in CPython), so that a bound in bytes also bounds a stream of
+# one-character deltas.
+EVENT_OVERHEAD_BYTES = 256
+
+
+class EventQueue(asyncio.Queue):
+    """A job's events, in order, with what they hold unread counted: ``unread`` is the bytes
+    of the events posted (:meth:`Job.post`, worker thread) and not yet taken by ``get``
+    (event loop), so that the worker can end a stream whose client stopped reading. Its
+    items are (kind, value, size in bytes); ``get`` returns (kind, value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()  # posted on the worker thread, taken on the event loop's
+        self.unread = 0
+
+    def count(self, size: int) -> None:
+        """size bytes posted (on their way to the queue)."""
+        with self._lock:
+            self.unread += size
+
+    def _get(self) -> tuple[str, Any]:  # asyncio.Queue's hook for what get() returns
+        kind, value, size = super()._get()
+        with self._lock:
+            self.unread -= size
+        return kind, value
+
+
+def event_size(text: str, *extra: Any) -> int:
+    """The bytes a delta event holds unread: EVENT_OVERHEAD_BYTES, its text's UTF-8 bytes and
+    each extra object's (logprobs, trace) size as JSON."""
+    text_bytes = len(text.encode("utf-8", "replace"))
+    return EVENT_OVERHEAD_BYTES + text_bytes + sum(len(json.dumps(x)) for x in extra if x is not None)
+
 
 @dataclass(eq=False)
 class Job:
@@ -38,21 +74,23 @@ class Job:
     speculation_trace or None));
     at the end of each choice ("choice", (index, GenerationResult, logprobs object or
     None: a stream has sent them all with its deltas)); or, at any point, ("error",
-    APIError), after which nothing follows. cancelled: set when the client is gone or
-    the server stops.
+    APIError), after which nothing follows; ``events.unread`` counts the bytes of the deltas
+    not yet read. cancelled: set when the client is gone or the server stops.
     """
 
     req: GenRequest
     loop: asyncio.AbstractEventLoop
     arrival: float
     prepared: Prepared | None = None  # None: prepared on the worker thread when admitted
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: EventQueue = field(default_factory=EventQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
-    def post(self, kind: str, value: Any) -> None:
-        """Hand an event to the asyncio side (called from the worker thread)."""
+    def post(self, kind: str, value: Any, size: int = 0) -> None:
+        """Hand an event to the asyncio side (called from the worker thread); size: the bytes
+        it holds until read, counted in ``events.unread`` from now on."""
+        self.events.count(size)
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, size))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
@@ -83,8 +121,9 @@ class Worker:
 
     decoder: a :class:`specdecode.api.Decoder` (used from this thread only).
     options: the server's options; the worker reads ``max_queue`` (how many requests may
-        wait for a slot, besides the running ones) and ``warmup`` (run one tiny generation
-        when the thread starts).
+        wait for a slot, besides the running ones), ``max_unread_bytes`` (a stream holding
+        more unread is ended with an error event, its slot freed) and ``warmup`` (run one
+        tiny generation when the thread starts).
     metrics_factory: builds the server's Metrics from this worker (whose queue length and
         running count its gauges read).
     """
@@ -200,6 +239,8 @@ class Worker:
                 for r in list(self._active):
                     if r.job.cancelled.is_set():
                         self._guarded(r, self._cancelled)
+                    elif r.job.events.unread > self.options.max_unread_bytes:
+                        self._unread_over(r)
                 self._step()
             except BaseException as e:  # never let the worker die: the next request must be served
                 for r in list(self._active):
@@ -260,6 +301,17 @@ class Worker:
                    "the request was cancelled (client gone or server shutting down)")
         r.job.post("error", APIError(503, message, type="server_error"))
 
+    def _unread_over(self, r: _Running) -> None:
+        """The job's client has left more than max_unread_bytes of its stream unread (it
+        stopped reading, or reads slower than the steps come): end the generation, free the
+        slot, and end the stream with an error event, which the client reads after the
+        deltas it left, if it ever reads again."""
+        self.metrics.aborted.inc()
+        bound = self.options.max_unread_bytes
+        self._fail(r, APIError(408, f"the stream was ended: its client left {r.job.events.unread} bytes of output "
+                               f"unread, more than a stream may hold ({bound} bytes, --max-unread-bytes); read a "
+                               "stream as it comes", code="stream_not_read"))
+
     def _step(self) -> None:
         """One batched step of every running generation; post their deltas; finish the
         choices that are done."""
@@ -281,7 +333,8 @@ class Worker:
             trace = None
             if r.job.req.trace:
                 trace = trace_of(delta, (r.gen.drafter.explain() or None) if r.gen is not None else None)
-            r.job.post("delta", (r.index, str(delta), lp, trace))
+            text = str(delta)
+            r.job.post("delta", (r.index, text, lp, trace), event_size(text, lp, trace))
 
     def _finish_choice(self, r: _Running) -> None:
         """The current choice is done: post its tail and result, then begin the next choice
