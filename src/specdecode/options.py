@@ -155,7 +155,8 @@ def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
                 draft_backend=args.draft_backend, dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab,
                 parallel=vars(args).get("parallel", 1), tree_width=vars(args).get("tree_width", DEFAULT_TREE_WIDTH),
                 max_tree_nodes=vars(args).get("max_tree_nodes"),
-                kv_per_sequence=bool(vars(args).get("strict", False)))  # serve --strict: a cache per slot
+                kv_per_sequence=bool(vars(args).get("strict", False)),  # serve --strict: a cache per slot
+                background_costs=bool(vars(args).get("background_costs", False)))  # serve: measured between requests
 
 
 def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":

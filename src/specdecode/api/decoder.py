@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -14,6 +15,7 @@ from typing import Any, Iterator, Sequence
 from ..assembly import registry
 from ..backends.base import Backend, claim_backends, release_backends
 from ..backends.chat_prompt import chat_prompt_ids
+from ..control.calibration import Calibration
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
 from ..errors import SpecDecodeError
@@ -62,6 +64,14 @@ class Decoder:
         (``batch_invariant="on"``, strict mode) need it there: in a shared buffer what runs
         beside a generation changes its arithmetic (they are refused; a seed's "auto" verifies
         as usual). llama.cpp splits a forward of unequal blocks into several.
+    background_costs: measure nothing up front that the cache lacks (``serve`` does): the
+        target's cost curve (its check, where the cache holds one that is marked stale or may
+        describe a busy machine) and its invariant block are measured later, a part at a time,
+        by whoever calls ``decoder.calibration.run_one()`` while no generation runs (the
+        server's worker, between requests); until then the controller plans with the cached
+        curve or a conservative one (plain decoding), and strict and seeded generations run
+        plain one-token steps (:class:`specdecode.control.calibration.Calibration`). Without
+        it (the default) they are measured before the first generation that needs them.
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
     around each begin, step and end, and each tokenization unless the target's tokenizer is
@@ -93,6 +103,7 @@ class Decoder:
         max_tree_nodes: int | None = None,
         tree_width: int = DEFAULT_TREE_WIDTH,
         kv_per_sequence: bool = False,
+        background_costs: bool = False,
     ) -> None:
         # Names (a loaded backend's own), as the server and the statistics report them.
         self.target_name = target.name if isinstance(target, Backend) else target
@@ -116,10 +127,14 @@ class Decoder:
             self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                        device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes),
                                        kv_per_sequence=kv_per_sequence)
+        # What is measured between a server's requests (None: up front, as needed).
+        self.calibration = Calibration(self.target, registry.cache_dir(), say=_say if progress else None) \
+            if background_costs else None
         try:
             self.engine = make_speculation(choice, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
                                            backend=draft_backend, dtype=dtype, device=device, draft_vocab=draft_vocab,
-                                           n_slots=parallel, max_tree_nodes=max_tree_nodes, tree_width=tree_width)
+                                           n_slots=parallel, max_tree_nodes=max_tree_nodes, tree_width=tree_width,
+                                           calibration=self.calibration)
             self.drafter = self.engine.drafter
         except BaseException:
             release_backends(given)
@@ -254,6 +269,8 @@ class Decoder:
                         param="parallel")
                 self._lock.wait()
                 self.check_open()
+            if self.calibration is not None:
+                options = self.calibration.before_generation(options)
             gen = self.engine.begin(ids, options)
             self._owners[gen] = me
             return gen
@@ -357,6 +374,10 @@ class Decoder:
         """Run speculatively and plainly on the same input; returns (speculative, plain,
         report): :func:`specdecode.api.compare.compare`."""
         return compare(self, prompt, **kwargs)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def generate(prompt: str | None = None, **options) -> GenerationResult | Iterator[str]:

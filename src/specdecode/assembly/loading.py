@@ -17,9 +17,12 @@ from . import registry
 from ..backends.base import Backend
 from ..backends.llama_cpp import LlamaCppBackend
 from ..backends.llama_tree import TREE_BRANCHES
+from ..control.calibration import Calibration
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
 from ..control.costcache import cached_forward_curve, cached_measurement, rewrite_from_live
+from ..control.costmodel import ObservedCurve
+from ..control.sources import SharedCosts
 from ..drafters import Drafter, NoDrafter
 from ..drafters.kinds import Choice, DraftRequest, check_draft_options, kind_of, resolve
 from ..drafters.tree import set_tree_options
@@ -133,7 +136,8 @@ def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KM
 def make_speculation(choice: Choice, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
                      progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                      device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_slots: int = 1,
-                     max_tree_nodes: int | None = None, tree_width: int = DEFAULT_TREE_WIDTH) -> SpeculativeEngine:
+                     max_tree_nodes: int | None = None, tree_width: int = DEFAULT_TREE_WIDTH,
+                     calibration: Calibration | None = None) -> SpeculativeEngine:
     """The one recipe of speculation, for the Decoder, the bench and so the server alike: the
     drafter of a resolved :class:`specdecode.drafters.kinds.Choice` (none, one kind at a fixed
     K, or the cost-aware controller over its names) and the engine around it, with n_slots
@@ -145,28 +149,36 @@ def make_speculation(choice: Choice, target: Backend, n_ctx: int = DEFAULT_N_CTX
     k + 1 (and the sizes of a batched step, BATCH_COST_CURVE_NS, for several slots), and a
     draft model's cost per token, once per model and machine (cached under the model cache);
     it then follows the observed step times, and rewrites the cached curve with them when
-    they contradict it. Raises SpecDecodeError / IncompatibleVocabularyError; a drafter
-    loaded here is closed again when a later part fails.
+    they contradict it. With a ``calibration`` (a server's) nothing is measured here that the
+    cache lacks: the target's curve and invariant block are measured later, between requests
+    (:class:`specdecode.control.calibration.Calibration`), and planned meanwhile with the cached
+    curve or a conservative one. Raises SpecDecodeError / IncompatibleVocabularyError; a
+    drafter loaded here is closed again when a later part fails.
     """
     load_opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend, dtype=dtype,
                      device=device, n_seq=n_slots)
     if not choice.names:
         drafter: Drafter = NoDrafter()
     elif choice.planned:
-        drafter = _controller(choice, target, load_opts, draft_vocab)
+        drafter = _controller(choice, target, load_opts, draft_vocab, calibration)
     else:
         drafter = _build(choice.names[0], target, load_opts, draft_vocab)
     try:
         set_tree_options(drafter, 0, tree_width)  # the node budget is set per generation
-        return SpeculativeEngine(target, drafter, choice.k, n_slots=n_slots, invariance=cached_invariance,
-                                 max_tree_nodes=max_tree_nodes)
+        engine = SpeculativeEngine(target, drafter, choice.k, n_slots=n_slots, max_tree_nodes=max_tree_nodes,
+                                   invariance=cached_invariance if calibration is None else calibration.invariance)
+        if calibration is not None:
+            calibration.attach(engine)
+        return engine
     except BaseException:
         drafter.close()
         raise
 
 
-def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
-    """The controller over a planned choice's drafters (none: plain), K <= choice.k."""
+def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: int,
+                calibration: Calibration | None = None) -> Drafter:
+    """The controller over a planned choice's drafters (none: plain), K <= choice.k; its target
+    curve from the cache or measured now, or with a calibration, measured later."""
     if not choice.names:
         return NoDrafter()
     kmax, n_seq = choice.k, load_opts["n_seq"]
@@ -174,7 +186,12 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
     ns = sorted({n for n in COST_CURVE_NS if n <= kmax + 1} | {kmax + 1})
     if n_seq > 1:
         ns += [n for n in BATCH_COST_CURVE_NS if ns[-1] < n <= n_seq * (kmax + 1)]
-    measured = cached_measurement(target, ns, cache, on_measure=_say_measuring if load_opts["progress"] else None)
+    on_drift = lambda why, live: rewrite_from_live(target, cache, live, why)  # noqa: E731
+    if calibration is None:
+        measured = cached_measurement(target, ns, cache, on_measure=_say_measuring if load_opts["progress"] else None)
+        shared = SharedCosts(ObservedCurve(measured.curve), kmax + 1, on_drift)
+    else:
+        shared = calibration.costs(ns, kmax + 1, on_drift)
     names = list(choice.names)
     if choice.default_model and default_draft_serves(target):
         names.append(registry.DEFAULT_DRAFT)
@@ -186,9 +203,11 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
         for s in sources:
             s.drafter.close()
         raise
-    controller = SpeculationController(sources, measured.curve, kmax=kmax, learn_costs=True,
-                                       on_drift=lambda why, live: rewrite_from_live(target, cache, live, why))
-    controller.measurement_note = measured.note()
+    controller = SpeculationController(sources, shared.curve.base, kmax=kmax, learn_costs=True, shared=shared)
+    if calibration is None:
+        controller.measurement_note = measured.note()
+    else:
+        calibration.report_to(controller)
     return controller
 
 

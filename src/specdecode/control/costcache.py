@@ -1,7 +1,9 @@
 """The per-machine cache of the target's measured T(n) (:mod:`.measure`): where it lives, what
-its key depends on, when it is measured again (another key, other sizes, age, marked stale,
-implausible, or a check at load that contradicts a curve that may describe a busy machine),
-and its rewrite from live step times.
+its key depends on, when it is measured again (another key, other sizes, age, implausible, or
+a check at load that contradicts a curve that may describe a busy machine or was marked
+stale), and its rewrite from live step times. Reading the cache (:func:`read_cached`) is apart
+from measuring, so that a server can answer with the cached curve while the check or the
+measurement runs between its requests (:mod:`.calibration`).
 
 Units: seconds.
 """
@@ -12,13 +14,13 @@ import hashlib
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 from ..backends.base import Backend
 from ..files import read_cache_json, write_cache_json
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
 from .costmodel import CostCurve
-from .measure import Measurement, measure_forward_curve, repair, unconfirmed_points
+from .measure import Measurement, drive, measure_forward_curve, repair, unconfirmed_points
 
 
 def machine_key(backend: Backend) -> str:
@@ -65,44 +67,81 @@ def cost_cache_path(backend: Backend, cache_dir: Path) -> Path:
     return cache_dir / "costs" / f"{machine_key(backend)}.json"
 
 
+# What measures a curve as steps (:func:`.measure.drive`): called as measure(backend, ns) for a
+# curve, measure(backend, sizes, rounds=r) for a check.
+MeasureSteps = Callable[..., Generator[None, "bool | None", Measurement]]
+
+
+def _at_once(backend: Backend, ns: Sequence[int], **kw) -> Generator[None, "bool | None", Measurement]:
+    """:func:`measure_forward_curve` as one step (looked up when called, so a test can script it)."""
+    return measure_forward_curve(backend, ns, **kw)
+    yield  # noqa: unreachable: it makes this a generator
+
+
 def cached_measurement(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
                        max_age_s: float = COST_CACHE_MAX_AGE_S,
                        on_measure: Callable[[Sequence[int]], None] | None = None) -> Measurement:
     """:func:`measure_forward_curve` once per (model, machine) key; later calls read the JSON
     cache. The curve is measured again when the cache was written under another key (a
     different model file, library build, thread count or CPU), for other ns, more than
-    ``max_age_s`` seconds ago, was marked stale by :func:`mark_stale`, or is implausible (a
-    curve cached by an older version, or edited by hand).
+    ``max_age_s`` seconds ago, or is implausible (a curve cached by an older version, or
+    edited by hand).
 
     A cached curve that may describe a busy machine (:func:`_suspect`: measured while other
-    processes used the CPUs, or rewritten from live step times, which a busy machine sets) is
-    checked first (:func:`check_curve`): when an idle check contradicts it, it is measured
-    again; when the check agrees it is marked checked and trusted from then on. on_measure(ns):
-    called just before a measurement (to tell a user why the start takes longer)."""
-    key = machine_key(backend)
+    processes used the CPUs, or rewritten from live step times, which a busy machine sets), or
+    that was marked stale by :func:`mark_stale` (live steps, perhaps slowed by load, disagreed
+    with it), is checked first (:func:`check_curve`): when an idle check contradicts it, it is
+    measured again; when the check agrees it is marked checked (no longer stale) and trusted
+    from then on; when the machine is busy during the check, it is kept as it is (one slow run
+    does not cost a whole measurement on a busy machine). on_measure(ns): called just before a
+    measurement (to tell a user why the start takes longer)."""
+    return drive(cached_measurement_steps(backend, ns, cache_dir, refresh, max_age_s, on_measure))
+
+
+def read_cached(backend: Backend, ns: Sequence[int], cache_dir: Path, max_age_s: float = COST_CACHE_MAX_AGE_S,
+                refresh: bool = False) -> tuple[Measurement | None, str]:
+    """What the cache holds for this backend at ns and what it needs, without timing anything:
+    (measurement, "use"); (measurement, "check"): suspect or stale (:func:`cached_measurement`);
+    (measurement or None, "measure"): None when nothing usable is cached (no file, another key,
+    other sizes, implausible, unreadable), the curve when it is only too old."""
+    data = None if refresh else read_cache_json(cost_cache_path(backend, cache_dir))
+    if data is None:
+        return None, "measure"
+    try:
+        m = Measurement.from_dict(data)
+        if (tuple(m.curve.ns) != tuple(ns) or data.get("key") != machine_key(backend)
+                or unconfirmed_points(m.curve.ns, m.curve.seconds, m.confirmed)):
+            return None, "measure"
+        if time.time() - float(data.get("measured_at", 0)) > max_age_s:
+            return m, "measure"
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):  # edited, or another version's
+        return None, "measure"
+    return m, "check" if data.get("stale") or _suspect(data, m.busy) else "use"
+
+
+def cached_measurement_steps(backend: Backend, ns: Sequence[int], cache_dir: Path, refresh: bool = False,
+                             max_age_s: float = COST_CACHE_MAX_AGE_S,
+                             on_measure: Callable[[Sequence[int]], None] | None = None,
+                             measure: MeasureSteps = _at_once) -> Generator[None, "bool | None", Measurement]:
+    """:func:`cached_measurement` made of steps (:func:`.measure.drive`), its checks and
+    measurements timed by ``measure`` (:func:`.measure.curve_steps` for one forward a step)."""
     path = cost_cache_path(backend, cache_dir)
-    data = None if refresh else read_cache_json(path)
-    if data is not None:
-        try:
-            m = Measurement.from_dict(data)
-            fresh = time.time() - float(data.get("measured_at", 0)) <= max_age_s
-            if (tuple(m.curve.ns) == tuple(ns) and data.get("key") == key and fresh and not data.get("stale")
-                    and not unconfirmed_points(m.curve.ns, m.curve.seconds, m.confirmed)):
-                if not _suspect(data, m.busy):
-                    return m
-                verdict = check_curve(backend, m.curve)
-                if verdict == "agrees":
-                    write_cache_json(path, {**data, "checked_at": time.time()})
-                if verdict != "contradicts":  # agrees, or the machine is busy now: no better curve to get
-                    return m
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError):  # edited, or another version's
-            pass
+    m, need = read_cached(backend, ns, cache_dir, max_age_s, refresh)
+    if m is not None and need == "use":
+        return m
+    if m is not None and need == "check":
+        verdict = yield from check_curve_steps(backend, m.curve, measure=measure)
+        data = read_cache_json(path)
+        if verdict == "agrees" and data is not None:
+            write_cache_json(path, {**{k: v for k, v in data.items() if k != "stale"}, "checked_at": time.time()})
+        if verdict != "contradicts":  # agrees, or the machine is busy now: no better curve to get
+            return m
     if on_measure is not None:
         on_measure(ns)
-    m = measure_forward_curve(backend, ns)
+    m = yield from measure(backend, ns)
     if tuple(m.curve.ns) == tuple(ns):  # a context too small for every size measures fewer: not kept
-        write_cache_json(path, {**m.to_dict(), "model": backend.name, "key": key, "measured_at": time.time(),
-                                "source": "measured"})
+        write_cache_json(path, {**m.to_dict(), "model": backend.name, "key": machine_key(backend),
+                                "measured_at": time.time(), "source": "measured"})
     return m
 
 
@@ -120,10 +159,16 @@ def check_curve(backend: Backend, curve: CostCurve, rounds: int = CHECK_ROUNDS) 
     full measurement, and compare. Returns "agrees" (every size within CHECK_BOUNDS of the
     curve), "contradicts" (one is not) or "busy" (the machine looked busy during the check:
     it cannot judge the curve)."""
+    return drive(check_curve_steps(backend, curve, rounds))
+
+
+def check_curve_steps(backend: Backend, curve: CostCurve, rounds: int = CHECK_ROUNDS,
+                      measure: MeasureSteps = _at_once) -> Generator[None, "bool | None", str]:
+    """:func:`check_curve` made of steps (:func:`.measure.drive`), timed by ``measure``."""
     top = max([n for n in curve.ns if n <= MAX_NUM_SPECULATIVE_TOKENS + 1] or [curve.ns[0]])
     mid = min(curve.ns, key=lambda n: abs(n - 16))
     sizes = sorted({curve.ns[0], min(mid, top), top})
-    m = measure_forward_curve(backend, sizes, rounds=rounds)
+    m = yield from measure(backend, sizes, rounds=rounds)
     if m.busy:
         return "busy"
     lo, hi = CHECK_BOUNDS
@@ -139,7 +184,8 @@ def cached_forward_curve(backend: Backend, ns: Sequence[int], cache_dir: Path, r
 
 def mark_stale(backend: Backend, cache_dir: Path, why: str) -> None:
     """Flag the cached curve of this backend so that the next :func:`cached_forward_curve`
-    measures it again (``why`` is kept in the file for whoever reads it)."""
+    checks it (:func:`check_curve`) and measures it again where an idle check contradicts it
+    (``why`` is kept in the file for whoever reads it)."""
     path = cost_cache_path(backend, cache_dir)
     data = read_cache_json(path)
     if data is not None:
@@ -150,7 +196,7 @@ def rewrite_from_live(backend: Backend, cache_dir: Path, curve: CostCurve | None
     """Replace the cached curve of this backend by ``curve`` (the live step times, folded into
     the measured points; repaired where implausible); mark the cache stale instead when it
     cannot be made plausible, or when curve is None (the live steps observed too few sizes:
-    :meth:`ObservedCurve.grounded`), so the next start measures it again. ``why`` is kept
+    :meth:`ObservedCurve.grounded`), so the next start checks it (:func:`cached_measurement`). ``why`` is kept
     in the file."""
     path = cost_cache_path(backend, cache_dir)
     data = read_cache_json(path)

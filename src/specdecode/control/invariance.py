@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Generator, Sequence
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from ..backends.base import Backend
 from ..files import read_cache_json, write_cache_json
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
 from .costcache import COST_CACHE_MAX_AGE_S, machine_key
+from .measure import drive
 
 # Block sizes tested, up to a whole verification (K = 32 plus the last committed token).
 # Every size up to 8 (llama.cpp's kernels change at 4 and 8 rows), then the bends further up.
@@ -54,37 +55,81 @@ def measure_invariant_block(backend: Backend, seq: int = 0, sizes: Sequence[int]
     Cost: about 2 x (33 one-token forwards + 90 block tokens) when every size holds, 2 x 8
     one-token forwards when the first failure is below 8.
     """
+    return drive(invariant_steps(backend, seq, sizes, contexts))
+
+
+def invariant_steps(backend: Backend, seq: int = 0, sizes: Sequence[int] = INVARIANT_SIZES,
+                    contexts: Sequence[int] = INVARIANT_CONTEXTS) -> Generator[None, "bool | None", int]:
+    """:func:`measure_invariant_block` in parts, so that a server can measure it between its
+    requests (:mod:`.calibration`): made of steps (:func:`.measure.drive`), it yields before
+    each part (a context and a range of sizes: its cache prefilled, its one-token forwards,
+    its blocks). Each part starts from an empty sequence seq and leaves it empty, with the
+    backend's batch-invariant mode off between parts, so that whatever runs in between
+    (generations, on any sequence) finds the backend as it left it. Returns the block."""
     sizes = sorted(n for n in sizes if n >= 2)
     vocab = backend.n_vocab
     rng = np.random.default_rng(1)
     toks = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=max(contexts) + max(sizes))]
     best = max(sizes)
+    for context in contexts:
+        # Two phases, so that a failure below 8 rows costs 8 one-token forwards, not 33.
+        for phase in ([n for n in sizes if n <= 8], [n for n in sizes if n > 8]):
+            phase = [n for n in phase if n <= best and n <= backend.n_ctx - 2]
+            if phase:
+                yield
+                best = _invariant_part(backend, seq, toks, context, phase, sizes, best)
+    return best
+
+
+def _invariant_part(backend: Backend, seq: int, toks: list[int], context: int, phase: list[int],
+                    sizes: list[int], best: int) -> int:
+    """One part of :func:`invariant_steps`: the sizes of ``phase`` after ``context`` cached
+    tokens; returns ``best`` lowered below the first size whose blocks differ."""
+    m = max(phase)
+    start = max(0, min(context, backend.n_ctx - 1 - m))
     backend.set_batch_invariant(True)
     try:
-        for context in contexts:
-            # Two phases, so that a failure below 8 rows costs 8 one-token forwards, not 33.
-            for phase in ([n for n in sizes if n <= 8], [n for n in sizes if n > 8]):
-                phase = [n for n in phase if n <= best and n <= backend.n_ctx - 2]
-                if not phase:
-                    continue
-                m = max(phase)
-                start = max(0, min(context, backend.n_ctx - 1 - m))
-                backend.rollback(0, seq=seq)
-                if start:
-                    backend.forward(toks[:start], logits_for=[], seq=seq)
-                cont = toks[start:start + m]
-                lone = np.concatenate([backend.forward([t], [0], seq=seq) for t in cont])  # [m, V]
-                for n in phase:
-                    backend.rollback(start, seq=seq)
-                    rows = np.concatenate([backend.forward(cont[i:i + n], range(len(cont[i:i + n])), seq=seq)
-                                           for i in range(0, m, n)])  # [m, V]
-                    if not np.array_equal(rows, lone):
-                        best = max([1] + [s for s in sizes if s < n])
-                        break
+        backend.rollback(0, seq=seq)
+        if start:
+            backend.forward(toks[:start], logits_for=[], seq=seq)
+        cont = toks[start:start + m]
+        lone = np.concatenate([backend.forward([t], [0], seq=seq) for t in cont])  # [m, V]
+        for n in phase:
+            backend.rollback(start, seq=seq)
+            rows = np.concatenate([backend.forward(cont[i:i + n], range(len(cont[i:i + n])), seq=seq)
+                                   for i in range(0, m, n)])  # [m, V]
+            if not np.array_equal(rows, lone):
+                return max([1] + [s for s in sizes if s < n])
+        return best
     finally:
         backend.rollback(0, seq=seq)
         backend.set_batch_invariant(False)
-    return best
+
+
+def read_invariant_block(backend: Backend, cache_dir: Path, max_age_s: float = COST_CACHE_MAX_AGE_S) -> int | None:
+    """The invariant block cached for this backend (:func:`cached_invariant_block`), or None
+    where none is (none written, another key, too old, edited by hand)."""
+    data = read_cache_json(invariant_cache_path(backend, cache_dir))
+    try:
+        block = data["invariant_block"] if data is not None and data.get("key") == machine_key(backend) else None
+        if (is_int(block) and 1 <= block <= max(INVARIANT_SIZES)
+                and time.time() - float(data["measured_at"]) <= max_age_s):
+            return block
+    except (KeyError, TypeError, ValueError, OverflowError):  # a file edited by hand: measured again
+        pass
+    return None
+
+
+def write_invariant_block(backend: Backend, cache_dir: Path, block: int) -> None:
+    """Keep a measured invariant block in the cache, beside the cost curve."""
+    write_cache_json(invariant_cache_path(backend, cache_dir),
+                     {"invariant_block": block, "model": backend.name, "key": machine_key(backend),
+                      "measured_at": time.time()})
+
+
+def invariant_cache_path(backend: Backend, cache_dir: Path) -> Path:
+    """Where the invariant block of this backend on this machine is cached (beside its curve)."""
+    return cache_dir / "costs" / f"{machine_key(backend)}.invariant.json"
 
 
 def cached_invariant_block(backend: Backend, seq: int, cache_dir: Path,
@@ -92,16 +137,8 @@ def cached_invariant_block(backend: Backend, seq: int, cache_dir: Path,
     """:func:`measure_invariant_block` once per (model, machine) key, cached beside the cost
     curve (``costs/<key>.invariant.json``); measured again under another key or after
     ``max_age_s`` seconds."""
-    key = machine_key(backend)
-    path = cache_dir / "costs" / f"{key}.invariant.json"  # beside cost_cache_path's curve
-    data = read_cache_json(path)
-    try:
-        block = data["invariant_block"] if data is not None and data.get("key") == key else None
-        if (is_int(block) and 1 <= block <= max(INVARIANT_SIZES)
-                and time.time() - float(data["measured_at"]) <= max_age_s):
-            return block
-    except (KeyError, TypeError, ValueError, OverflowError):  # a file edited by hand: measured again
-        pass
-    block = measure_invariant_block(backend, seq)
-    write_cache_json(path, {"invariant_block": block, "model": backend.name, "key": key, "measured_at": time.time()})
+    block = read_invariant_block(backend, cache_dir, max_age_s)
+    if block is None:
+        block = measure_invariant_block(backend, seq)
+        write_invariant_block(backend, cache_dir, block)
     return block

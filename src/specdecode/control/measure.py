@@ -14,7 +14,10 @@ two neighbouring points, and a curve such as T(1) 536 ms, T(2) 94 ms, T(6) 2388 
   again, and those still implausible after that are repaired from their neighbours
   (isotonic regression, then the per-token bound);
 - the CPU time that other processes used during the measurement is read from /proc/stat, so
-  the statistics can say when the machine looked busy (:class:`Measurement`).
+  the statistics can say when the machine looked busy (:class:`Measurement`);
+- the measurement is made of steps, one timed forward each (:func:`curve_steps`), so that a
+  server can measure between its requests (:mod:`.calibration`); :func:`measure_forward_curve`
+  runs them all at once.
 
 Units: seconds.
 """
@@ -24,13 +27,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence, TypeVar
 
 import numpy as np
 
 from ..backends.base import Backend, SeqForward
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
 from .costmodel import CostCurve
+
+T = TypeVar("T")
 
 # Plausibility margins. A kernel that switches tiles at some size may make T(n) a little
 # lower than T(n - 1) (on the AVX-512 machines T(16) is about T(9)); more than this fall is a
@@ -200,48 +205,71 @@ def interleaved(ns: Sequence[int], round_: int = 0) -> list[int]:
     return out[shift:] + out[:shift]
 
 
+# (machine busy seconds, machine total seconds, this process's CPU seconds), or None where the
+# machine's times cannot be read: what a measurement compares at its start and end.
+CpuTimes = Callable[[], "tuple[float, float, float] | None"]
+
+
+def read_cpu_times() -> tuple[float, float, float] | None:
+    """The CPU time of the whole machine from /proc/stat (busy and total, idle and iowait
+    counted as not busy) and of this process (os.times), in seconds; None where /proc/stat
+    cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    t = os.times()
+    return (sum(fields) - idle) / hz, sum(fields) / hz, t.user + t.system
+
+
 @dataclass
 class _CpuClock:
-    """CPU time of the whole machine (from /proc/stat) and of this process, to tell how much
-    of the machine other processes used between start and :meth:`others_share`."""
+    """How much of the machine other processes used between :meth:`start` and
+    :meth:`others_share`, from ``read`` (:func:`read_cpu_times` unless given: a test scripts it)."""
 
-    machine: tuple[float, float] | None = field(default=None)  # (busy, total) seconds
-    own: float = 0.0
+    read: CpuTimes | None = None
+    first: tuple[float, float, float] | None = field(default=None)
 
-    @staticmethod
-    def _read() -> tuple[float, float] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [float(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-        return (sum(fields) - idle) / hz, sum(fields) / hz
+    def _now(self) -> tuple[float, float, float] | None:
+        return (self.read or read_cpu_times)()
 
     def start(self) -> "_CpuClock":
-        self.machine = self._read()
-        t = os.times()
-        self.own = t.user + t.system
+        self.first = self._now()
         return self
 
     def others_share(self) -> float | None:
-        end = self._read()
-        if self.machine is None or end is None:
+        end = self._now()
+        if self.first is None or end is None:
             return None
-        t = os.times()
-        busy = end[0] - self.machine[0] - (t.user + t.system - self.own)
-        total = end[1] - self.machine[1]
+        busy = end[0] - self.first[0] - (end[2] - self.first[2])
+        total = end[1] - self.first[1]
         return float(min(1.0, max(0.0, busy / total))) if total > 0 else None
 
 
-def _remeasure(ns: Sequence[int], samples: dict[int, list[float]], time_one: Callable[[int], float], rounds: int,
-               retries: int) -> tuple[set[int], set[int]]:
+def drive(steps: Generator[None, "bool | None", T]) -> T:
+    """Run a measurement made of steps to its end, nothing else touching the backend meanwhile,
+    and return its result. A measurement of steps (:func:`curve_steps`) is a generator that
+    yields before each forward of the backend and is sent back whether other work used the
+    backend's sequences since (here: never)."""
+    try:
+        steps.send(None)
+        while True:
+            steps.send(False)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _remeasure(ns: Sequence[int], samples: dict[int, list[float]],
+               time_one: Callable[[int], Generator[None, "bool | None", float]], rounds: int,
+               retries: int) -> Generator[None, "bool | None", tuple[set[int], set[int]]]:
     """Measure the implausible points of ``samples`` again (``rounds`` interleaved rounds of them
     and of the smallest size, up to ``retries`` times), adding to ``samples``; returns the sizes
     measured again and those confirmed: clearly cheaper than a smaller block and within
     CONFIRM_MARGIN of their first median again (load only slows a forward, so a point that
-    looked slow is never confirmed)."""
+    looked slow is never confirmed). Made of steps (:func:`drive`), as time_one is."""
     medians = lambda: [float(np.median(samples[n])) for n in ns]  # noqa: E731
     remeasured: set[int] = set()
     confirmed: set[int] = set()
@@ -255,7 +283,7 @@ def _remeasure(ns: Sequence[int], samples: dict[int, list[float]], time_one: Cal
         fresh: dict[int, list[float]] = {n: [] for n in again}
         for r in range(rounds):
             for n in interleaved(again, r + 1):
-                fresh[n].append(time_one(n))
+                fresh[n].append((yield from time_one(n)))
         for n in again:
             samples[n].extend(fresh[n])
             now = float(np.median(fresh[n]))
@@ -266,7 +294,8 @@ def _remeasure(ns: Sequence[int], samples: dict[int, list[float]], time_one: Cal
 
 
 def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64, rounds: int = 3,
-                          retries: int = 2, timer: Callable[[], float] = time.perf_counter) -> Measurement:
+                          retries: int = 2, timer: Callable[[], float] = time.perf_counter,
+                          cpu_times: CpuTimes | None = None) -> Measurement:
     """Time forward(n tokens) after a context of ``context`` tokens, at each n in ns.
 
     The sizes are timed in ``rounds`` interleaved rounds (:func:`interleaved`, after one
@@ -282,8 +311,21 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
     measured as blocks of that size on as many sequences, each after the same context.
     The backend's caches are restored to empty afterwards. A small context window (a few
     dozen tokens) shortens the context and measures only the sizes that fit in it (a step
-    can never verify more); the curve extrapolates beyond them.
+    can never verify more); the curve extrapolates beyond them. timer: seconds (a test's
+    scripted clock); cpu_times: what tells a busy machine (:func:`read_cpu_times`).
     """
+    return drive(curve_steps(backend, ns, context, rounds, retries, timer, cpu_times))
+
+
+def curve_steps(backend: Backend, ns: Sequence[int], context: int = 64, rounds: int = 3, retries: int = 2,
+                timer: Callable[[], float] = time.perf_counter,
+                cpu_times: CpuTimes | None = None) -> Generator[None, "bool | None", Measurement]:
+    """:func:`measure_forward_curve` one timed forward at a time, so that a server can measure
+    between requests: made of steps (:func:`drive`), it yields before each forward; sent True,
+    other work used the backend's sequences meanwhile, and the context is prefilled again
+    before the next forward (the caller must make sure that nothing reuses what the
+    measurement left in sequences 0 .. used - 1: a server's engine forgets its slots' cached
+    prefixes). Returns the :class:`Measurement`."""
     block = MAX_NUM_SPECULATIVE_TOKENS + 1
     # The tokens one sequence takes for size n: all of them on a backend of one sequence.
     rows = (lambda n: n) if backend.n_seq == 1 else (lambda n: min(n, block))  # noqa: E731
@@ -293,10 +335,7 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
     rng = np.random.default_rng(0)
     base = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=context)]
     used = min(backend.n_seq, -(-max(ns) // block))
-    clock = _CpuClock().start()
-    for seq in range(used):
-        backend.rollback(0, seq=seq)
-        backend.forward(base, logits_for=[], seq=seq)
+    clock = _CpuClock(cpu_times).start()
     shapes = {}
     for n in ns:
         toks = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=n)]
@@ -307,8 +346,17 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
             shapes[n] = [SeqForward(seq, part, range(len(part))) for seq, part in enumerate(parts)]
 
     samples: dict[int, list[float]] = {n: [] for n in ns}
+    ready = False  # the context is in sequences 0 .. used - 1
 
-    def time_one(n: int) -> float:
+    def time_one(n: int) -> Generator[None, "bool | None", float]:
+        nonlocal ready
+        touched = yield
+        if touched or not ready:
+            for seq in range(used):
+                backend.rollback(0, seq=seq)
+                if base:
+                    backend.forward(base, logits_for=[], seq=seq)
+            ready = True
         t0 = timer()
         backend.forward_batch(shapes[n])
         dt = timer() - t0
@@ -317,12 +365,12 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
         return dt
 
     for n in ns:  # warm-up of each shape
-        time_one(n)
+        yield from time_one(n)
     for r in range(rounds):
         for n in interleaved(ns, r):
-            samples[n].append(time_one(n))
+            samples[n].append((yield from time_one(n)))
     medians = lambda: [float(np.median(samples[n])) for n in ns]  # noqa: E731
-    remeasured, confirmed = _remeasure(ns, samples, time_one, rounds, retries)
+    remeasured, confirmed = yield from _remeasure(ns, samples, time_one, rounds, retries)
     for seq in range(used):
         backend.rollback(0, seq=seq)
     secs = medians()

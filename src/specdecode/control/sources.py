@@ -43,6 +43,15 @@ class SharedCosts:
         self._n_max = n_max
         self._table_now: np.ndarray | None = None  # recomputed when asked after an observation
 
+    def install(self, curve: CostCurve | ObservedCurve,
+                on_drift: Callable[[str, CostCurve | None], None] | None) -> None:
+        """Plan with ``curve`` from the next step on, every fork alike, and report drift from it
+        to on_drift: a curve measured between a server's requests replacing the one it served
+        with meanwhile (:mod:`.calibration`). Called on the thread that steps."""
+        self.curve = curve
+        self.on_drift = on_drift
+        self._table_now = None
+
     @property
     def table(self) -> np.ndarray:
         """T(0..n_max) as now planned with."""

@@ -402,9 +402,11 @@ class _Routes:
         from fastapi.responses import JSONResponse
 
         w = self.worker
+        calibration = getattr(self.decoder, "calibration", None)
         return JSONResponse({"status": "ok", "model": self.model_name, "waiting": w.queue_len(),
                              "running": w.running(), "slots": w.slots, "max_queue": self.options.max_queue,
-                             "replica": self.app.state.replica})
+                             "replica": self.app.state.replica,
+                             "measuring": calibration.measuring() if calibration is not None else []})
 
     async def prometheus_metrics(self, request: Request) -> Response:
         from fastapi.responses import Response

@@ -219,5 +219,5 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "(implies Ray Serve; replaces --replicas)")
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="with Ray Serve: each replica also serves its own /metrics on PORT + its rank")
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, background_costs=True)  # answer at once; measure between requests
     return s

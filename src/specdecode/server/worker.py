@@ -217,11 +217,14 @@ class Worker:
             # on different threads spin against each other.
             with contextlib.suppress(Exception):
                 self.decoder.generate("Hello", max_tokens=2)
+        calibration = getattr(self.decoder, "calibration", None)  # measured between requests (control.calibration)
         while True:
             with self._cond:
-                while not self._waiting and not self._active and not self._stop:
+                while not self._waiting and not self._active and not self._stop and \
+                        not (calibration is not None and calibration.pending):
                     self._cond.wait()
                 stopping = self._stop
+                idle = not self._waiting and not self._active
                 admitted = []
                 while not stopping and self._waiting and len(self._active) < self.slots:
                     job = self._waiting.popleft()
@@ -232,6 +235,9 @@ class Worker:
                 for r in list(self._active):
                     self._guarded(r, lambda r: self._cancelled(r, shutdown=True))
                 return
+            if idle and calibration is not None:  # nothing to serve: one part of what is measured (a request
+                calibration.run_one()                # waits for one part at most)
+                continue
             try:
                 for r in admitted:
                     self.metrics.queue_time.observe(time.perf_counter() - r.job.arrival)

@@ -1,0 +1,220 @@
+"""Measuring while serving: a server answers at once and measures what the controller and strict
+mode need (the target's T(n), its invariant block) a part at a time between requests.
+
+Measured on a busy 2-core machine (issue 43): a start whose cached curve was marked stale by one
+slow run measured T(n) at 33 sizes in 3 rounds before it answered ``/health``, and was still
+measuring after 10 minutes; the first strict request on a new configuration measured the
+invariant block inline (about 30 s). So ``specdecode serve`` (:class:`Calibration`):
+
+- plans at once with what it has: the cached curve, even one to be checked, marked stale or too
+  old; where none is cached, a conservative one, T(n) = n T(1) with T(1) timed from a few
+  one-token forwards, under which no draft pays (plain decoding, bar the controller's rare
+  exploring probes), so that a guess never makes it slower than plain decoding;
+- checks or measures the curve (:func:`.costcache.cached_measurement_steps`: a stale or suspect
+  curve is checked at three sizes, and kept when the machine is busy during the check) one
+  forward at a time, and the invariant block (:func:`.invariance.invariant_steps`) a part at a
+  time, whenever the server's worker has nothing to run (:meth:`Calibration.run_one`): llama.cpp's
+  context is not thread-safe, so the measuring runs on the worker's thread, between its steps,
+  never beside them;
+- switches the controller to the measured curve (:meth:`.sources.SharedCosts.install`) and
+  strict mode to the measured block once they are known; until the block is known, a strict or
+  seeded request runs plain one-token steps in batch-invariant mode, which are exactly strict
+  (a block of one token is invariant by definition).
+
+Units: seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Generator, Sequence
+
+from ..backends.base import Backend
+from .costcache import cached_measurement_steps, read_cached
+from .costmodel import CostCurve, ObservedCurve
+from .invariance import invariant_steps, read_invariant_block, write_invariant_block
+from . import measure
+from .measure import CpuTimes, Measurement, curve_steps, measure_forward_curve
+from .sources import SharedCosts
+
+# The one-token forwards timed for a conservative curve's T(1) (after one untimed), after this
+# many cached tokens: a fraction of a second on the slowest machine measured.
+CONSERVATIVE_ROUNDS = 3
+CONSERVATIVE_CONTEXT = 8
+
+
+@dataclass
+class _Job:
+    """One measurement in parts: its steps, what to do with its result, and what /health calls it."""
+
+    name: str
+    steps: Generator[None, "bool | None", Any]
+    done: Callable[[Any], None]
+    started: bool = False
+
+
+class Calibration:
+    """What a server measures between its requests instead of before it answers.
+
+    target: the backend measured. cache_dir: the cache the curve and the block are kept in
+    (:func:`specdecode.files.cache_dir`). say: where the line at the start and the line at the
+    end of each measurement go (None: nowhere). timer: seconds, for timing forwards;
+    cpu_times: what tells a busy machine (:func:`.measure.read_cpu_times`); both replaceable (a
+    test's scripted clock and load), read when a forward is timed.
+
+    The caller runs :meth:`run_one` whenever the target is free (the server's worker: when no
+    generation runs), tells :meth:`before_generation` of each generation it begins, and hands
+    the engine over (:meth:`attach`): each part makes the engine forget its slots' cached
+    prefixes (the measurement writes the target's sequences) and leaves batch-invariant mode off.
+    """
+
+    def __init__(self, target: Backend, cache_dir: Path, say: Callable[[str], None] | None = None,
+                 timer: Callable[[], float] | None = None, cpu_times: CpuTimes | None = None) -> None:
+        self.target = target
+        self.cache_dir = Path(cache_dir)
+        self.say = say
+        self.timer = timer or time.perf_counter
+        self.cpu_times = cpu_times
+        self.parts = 0  # parts run so far, of every job
+        self.error: str | None = None  # why measuring stopped, if it failed
+        self._jobs: list[_Job] = []
+        self._touched = True  # a generation may have used the target's sequences since the last part
+        self._engine: Any = None
+        self._report: Callable[[str], None] = lambda note: None
+        self._note = ""
+        self.invariant_block = read_invariant_block(target, self.cache_dir)  # None: not known yet
+
+    # -- what the controller and the engine plan with meanwhile --------------------------------
+
+    def costs(self, ns: Sequence[int], n_max: int, on_drift: Callable[[str, CostCurve | None], None] | None,
+              ) -> SharedCosts:
+        """The costs a controller plans with from now on: the cached curve when it needs nothing
+        more; else the cached curve or, where none is usable, a conservative one (T(n) = n T(1)),
+        while the cache's check or measurement runs between requests and its result replaces it.
+        on_drift: what live step times that contradict the curve report to, from the measured
+        curve on (not while planning with a curve that is about to be replaced)."""
+        cached, need = read_cached(self.target, ns, self.cache_dir)
+        if cached is not None and need == "use":
+            self._note = cached.note()
+            return SharedCosts(ObservedCurve(cached.curve), n_max, on_drift)
+        base = cached.curve if cached is not None else self._conservative(ns)
+        shared = SharedCosts(ObservedCurve(base), n_max, None)
+        what = "checked (T(n) at 3 sizes)" if need == "check" else f"measured (T(n) at {len(ns)} sizes)"
+        meanwhile = "the cached curve" if cached is not None else \
+            "a conservative curve, T(n) = n T(1), under which no draft pays (plain decoding)"
+        self._note = f"the cost curve is being {what} between requests; planned meanwhile with {meanwhile}"
+        self._tell(f"specdecode: serving at once: the target's cost curve is {what} between requests, a forward "
+                   f"at a time; until then the controller plans with {meanwhile}")
+
+        def done(m: Measurement) -> None:
+            kept = m.curve == base
+            shared.install(shared.curve if kept else ObservedCurve(m.curve), on_drift)
+            self._note = m.note()
+            self._report(self._note)
+            self._tell("specdecode: the cached cost curve is kept (the check agreed, or the machine was too busy "
+                       "to judge it)" if kept else "specdecode: the cost curve is measured: the controller plans "
+                       "with it from now on")
+
+        steps = cached_measurement_steps(self.target, ns, self.cache_dir, measure=self._measure_steps)
+        self._jobs.append(_Job("cost curve", steps, done))
+        return shared
+
+    def report_to(self, controller: Any) -> None:
+        """Keep ``controller.measurement_note`` (the statistics' ``controller:`` line) saying how
+        its curve was got, now and once it is measured."""
+        self._report = lambda note: setattr(controller, "measurement_note", note)
+        self._report(self._note)
+
+    def invariance(self, target: Backend, seq: int) -> int:
+        """The engine's ``invariance``: the cached invariant block where known, else 1 (plain
+        one-token steps, exactly strict) while the block is measured between requests."""
+        if self.invariant_block is not None:
+            return self.invariant_block
+        self._want_invariance()
+        return 1
+
+    def before_generation(self, options: Any) -> Any:
+        """Told before each generation begins (it may use any of the target's sequences):
+        returns its options, with a seed's batch invariance ("auto") made strict ("on") while the
+        invariant block is not known, so that the seed's text is the one it will be once it is:
+        plain one-token steps, where "auto" would otherwise verify as usual."""
+        self._touched = True
+        if not options.invariant or self.invariant_block is not None or getattr(self.target, "kv_shared", False):
+            return options
+        self._want_invariance()
+        return replace(options, batch_invariant="on") if options.batch_invariant == "auto" else options
+
+    def attach(self, engine: Any) -> None:
+        """The engine whose slots a part's forwards overwrite (see the class)."""
+        self._engine = engine
+
+    # -- the measuring -------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether anything is left to measure (a failed measurement leaves nothing)."""
+        return bool(self._jobs)
+
+    def measuring(self) -> list[str]:
+        """What is being measured, for /health: "cost curve", "invariant block" (empty when done)."""
+        return [job.name for job in self._jobs]
+
+    def run_one(self) -> None:
+        """One part of the first pending measurement: one timed forward of the curve, or one part
+        of the invariant block; call it only while nothing else uses the target. A measurement
+        that fails stops every pending one (said once); the server keeps what it planned with."""
+        if not self._jobs:
+            return
+        job = self._jobs[0]
+        try:
+            if self._engine is not None:
+                self._engine.forget_prefix()  # the parts overwrite what the slots cached
+                self._engine.forwards.set_invariant(False)  # and time the fast mode; invariance sets its own
+            try:
+                job.steps.send(self._touched if job.started else None)
+                job.started = True
+            except StopIteration as stop:
+                job.done(stop.value)
+                self._jobs.pop(0)  # after its result is in use: /health's "measuring" never runs ahead of it
+        except Exception as e:  # a measurement must never take the server down
+            self.error = f"{type(e).__name__}: {e}"
+            self._jobs.clear()
+            self._tell(f"specdecode: warning: measuring the {job.name} failed ({self.error}); the server goes on "
+                       "with what it planned with so far")
+        finally:
+            self._touched = False
+            self.parts += 1
+
+    def _measure_steps(self, backend: Backend, ns: Sequence[int], **kw) -> Generator[None, "bool | None", Measurement]:
+        return curve_steps(backend, ns, timer=lambda: self.timer(), cpu_times=lambda: self._cpu(), **kw)
+
+    def _cpu(self) -> "tuple[float, float, float] | None":
+        return (self.cpu_times or measure.read_cpu_times)()  # looked up when read: a test may script either
+
+    def _conservative(self, ns: Sequence[int]) -> CostCurve:
+        """T(n) = n T(1), T(1) timed from a few one-token forwards: no draft pays under it."""
+        t1 = measure_forward_curve(self.target, [1], context=CONSERVATIVE_CONTEXT, rounds=CONSERVATIVE_ROUNDS,
+                                   retries=0, timer=lambda: self.timer(), cpu_times=lambda: self._cpu()).curve(1)
+        t1 = max(t1, 1e-6)  # a fake backend's forward may take no measurable time
+        return CostCurve(tuple(ns), tuple(n * t1 for n in ns))
+
+    def _want_invariance(self) -> None:
+        """Schedule the invariant block's measurement, once (not after a failure)."""
+        if self.error is not None or any(job.name == "invariant block" for job in self._jobs):
+            return
+
+        def done(block: int) -> None:
+            write_invariant_block(self.target, self.cache_dir, block)
+            self.invariant_block = self.target.invariant_block = block
+            self._tell(f"specdecode: the invariant block is measured ({block} token{'s' if block > 1 else ''}): "
+                       "strict requests verify in blocks of that size from now on")
+
+        self._jobs.append(_Job("invariant block", invariant_steps(self.target, 0), done))
+        self._tell("specdecode: the invariant block is measured between requests; strict and seeded requests run "
+                   "plain one-token steps until then (exactly strict)")
+
+    def _tell(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)

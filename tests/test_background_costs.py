@@ -1,0 +1,252 @@
+"""A start that answers at once on a busy machine (issue 43): ``specdecode serve`` plans with the
+cached curve (even a stale one) or a conservative one, and measures the target's T(n) and its
+invariant block between requests, a part at a time, on the worker's thread; a stale mark from one
+slow run costs a check of three sizes, not a whole measurement, when the machine is busy.
+
+The fake target is a text model of bytes whose forwards advance a scripted clock by a scripted
+T(n), and the machine's load is a scripted /proc/stat reading: the tests judge orders and counts
+(what the measurement had done when a request was served), never the wall clock."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from specdecode.api import Decoder
+from specdecode.cli import build_parser
+from specdecode.control import costcache, measure
+from specdecode.control.costmodel import CostCurve
+from specdecode.limits import COST_CURVE_NS
+from specdecode.options import decoder_kwargs
+from specdecode.server import create_app
+
+from test_server import ServerThread
+from test_server_access import ByteBackend
+
+NS = COST_CURVE_NS  # what -k auto measures (K <= 32)
+CONTEXT = 64  # tokens the measurement caches before each timed forward
+
+
+def scripted_t(n: int) -> float:
+    """The fake target's T(n) (seconds): flat enough that drafts pay."""
+    return 0.03 * (1.0 + 0.15 * (n - 1))
+
+
+SCRIPTED = CostCurve(NS, tuple(scripted_t(n) for n in NS))
+
+
+class ClockedBytes(ByteBackend):
+    """The byte model of tests/test_server_access.py whose forward of n tokens advances
+    ``clock`` by scripted_t(n) and is recorded in ``sizes``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.sizes: list[int] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward(self, token_ids, logits_for, seq=0):
+        self.sizes.append(len(token_ids))
+        self.now += scripted_t(len(token_ids))
+        return super().forward(token_ids, logits_for, seq)
+
+
+class Load:
+    """A scripted /proc/stat and os.times: every reading, other processes used ``others`` of
+    the machine's CPU time since the last (100 s of it)."""
+
+    def __init__(self, others: float) -> None:
+        self.others, self.busy, self.total = others, 0.0, 0.0
+
+    def __call__(self) -> tuple[float, float, float]:
+        self.busy += 100.0 * self.others
+        self.total += 100.0
+        return self.busy, self.total, 0.0
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def write_cache(target, cache_dir, curve: CostCurve, **fields) -> None:
+    path = costcache.cost_cache_path(target, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**curve.to_dict(), "key": costcache.machine_key(target), "measured_at": time.time(),
+                                "others_cpu": 0.0, "source": "measured", **fields}))
+
+
+def background_decoder(target, others: float = 0.0, **kw) -> Decoder:
+    """A Decoder as ``serve`` loads it, its measurements on the target's clock and load."""
+    dec = Decoder(target=target, draft="ngram", num_speculative_tokens="auto", progress=False,
+                  background_costs=True, **kw)
+    dec.calibration.timer, dec.calibration.cpu_times = target.clock, Load(others)
+    return dec
+
+
+def settle(calibration, timeout: float = 60.0) -> None:
+    """Wait until the worker has measured everything (a bound on the wait, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while calibration.pending:
+        assert time.monotonic() < deadline, f"still measuring {calibration.measuring()}"
+        time.sleep(0.01)
+    assert calibration.error is None, calibration.error
+
+
+def test_serve_measures_between_requests_and_the_python_api_up_front():
+    serve = build_parser().parse_args(["serve"])
+    generate = build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert decoder_kwargs(serve)["background_costs"] is True
+    assert decoder_kwargs(generate)["background_costs"] is False
+
+
+def test_the_server_answers_before_the_curve_is_measured_and_then_plans_with_it(cache, monkeypatch):
+    """No cached curve: the server answers /health and a request while the measurement has run
+    a few of its parts (the worker measures only while idle, a forward at a time); once it is
+    done, the controller plans with the measured curve and the cache holds it."""
+    target = ClockedBytes()
+    dec = background_decoder(target)
+    cal = dec.calibration
+    assert cal.measuring() == ["cost curve"] and target.sizes == [8, 1, 1, 1, 1]  # only T(1), after 8 tokens
+    conservative = dec.drafter.target_cost.base
+    assert conservative.seconds == pytest.approx([n * conservative(1) for n in NS])  # T(n) = n T(1)
+    app = create_app(dec)
+    worker = app.state.worker
+
+    queued = threading.Event()
+    submit = worker.submit
+    monkeypatch.setattr(worker, "submit", lambda job: (submit(job), queued.set())[0])
+    run_one = cal.run_one
+
+    def gated() -> None:  # the fourth part waits for the test's request: then it is served next
+        if cal.parts == 3:
+            assert queued.wait(60), "the test's request never came"
+        run_one()
+
+    monkeypatch.setattr(cal, "run_one", gated)
+    seen = []
+    begin = dec.engine.begin
+    monkeypatch.setattr(dec.engine, "begin", lambda *a, **k: (seen.append((cal.parts, cal.measuring())),
+                                                              begin(*a, **k))[1])
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        health = http.get("/health").json()
+        assert health["status"] == "ok" and health["measuring"] == ["cost curve"]
+        r = http.post("/v1/completions", json={"model": "bytes", "prompt": "hello", "max_tokens": 4,
+                                                       "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "k", r.text  # the byte model: "k" after "o"
+        assert seen == [(4, ["cost curve"])]  # served after 4 parts of more than a hundred
+        settle(cal)
+        assert http.get("/health").json()["measuring"] == []
+    assert cal.parts > 100 and cal.error is None
+    assert dec.drafter.target_cost.base.seconds == pytest.approx(SCRIPTED.seconds)  # measured, not n T(1)
+    assert dec.drafter._costs.on_drift is not None  # live drift from the measured curve is reported again
+    cached = json.loads(costcache.cost_cache_path(target, cache).read_text())
+    assert cached["source"] == "measured" and cached["seconds"] == pytest.approx(SCRIPTED.seconds)
+    assert "being measured" not in dec.generate("hello", max_tokens=4).stats.controller_note
+    dec.close()
+
+
+def test_a_stale_cache_on_a_busy_machine_is_checked_not_measured_again(cache):
+    """The cache was marked stale (one slow run) and the machine is busy at the next start: the
+    server plans with the cached curve at once, checks T(1), T(16) and T(33) between requests,
+    finds the machine busy, and keeps the curve: no forward of any other size."""
+    target = ClockedBytes()
+    cached = CostCurve(NS, tuple(2 * s for s in SCRIPTED.seconds))  # an idle check would contradict it
+    write_cache(target, cache, cached, stale="observed 2.0x the measured curve")
+    dec = background_decoder(target, others=0.9)
+    assert target.sizes == [] and dec.drafter.target_cost.base == cached  # nothing timed before it answers
+    with ServerThread(create_app(dec)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        settle(dec.calibration)
+    assert set(target.sizes) == {CONTEXT, 1, 16, 33} and len(target.sizes) == 1 + 3 * 4  # warm-ups and 3 rounds
+    assert dec.drafter.target_cost.base == cached
+    assert "stale" in json.loads(costcache.cost_cache_path(target, cache).read_text())  # checked again next time
+    dec.close()
+
+
+def test_a_stale_mark_costs_a_check_when_the_python_api_measures_up_front(cache, monkeypatch):
+    """The same, when the curve is read up front (``specdecode generate``, the Python API): busy,
+    the check keeps the cache; idle and agreeing, the stale mark is lifted; idle and contradicting,
+    the curve is measured again."""
+    target = ClockedBytes()
+    monkeypatch.setattr(measure, "read_cpu_times", Load(0.9))
+    real = measure.measure_forward_curve
+    monkeypatch.setattr(costcache, "measure_forward_curve", lambda b, ns, **kw: real(b, ns, timer=b.clock, **kw))
+    write_cache(target, cache, SCRIPTED, stale="observed 1.6x the measured curve")
+    assert costcache.cached_measurement(target, NS, cache).curve == SCRIPTED
+    assert set(target.sizes) == {CONTEXT, 1, 16, 33}  # the check alone
+    path = costcache.cost_cache_path(target, cache)
+    assert "stale" in json.loads(path.read_text())
+
+    monkeypatch.setattr(measure, "read_cpu_times", Load(0.0))
+    target.sizes.clear()
+    assert costcache.cached_measurement(target, NS, cache).curve == SCRIPTED
+    assert set(target.sizes) == {CONTEXT, 1, 16, 33} and "stale" not in json.loads(path.read_text())
+    target.sizes.clear()
+    costcache.cached_measurement(target, NS, cache)  # checked and agreed: trusted as it is
+    assert target.sizes == []
+
+    write_cache(target, cache, CostCurve(NS, tuple(2 * s for s in SCRIPTED.seconds)), stale="observed 2.0x")
+    m = costcache.cached_measurement(target, NS, cache)
+    assert set(target.sizes) == {CONTEXT, *NS} and m.curve.seconds == pytest.approx(SCRIPTED.seconds)
+
+
+def test_a_strict_request_is_answered_before_the_invariant_block_is_known(cache):
+    """The first strict request on a new configuration runs plain one-token steps in
+    batch-invariant mode (exactly strict) instead of measuring the block inline; the block is
+    measured between requests and the next strict request verifies in blocks of it. A seeded
+    request ("auto") meanwhile runs the same plain steps, so its text is the one it keeps."""
+    target = ClockedBytes()
+    write_cache(target, cache, SCRIPTED)  # the curve is known: only the block is missing
+    dec = background_decoder(target)
+    cal = dec.calibration
+    assert not cal.pending
+    with ServerThread(create_app(dec)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "bytes", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                "speculative": {"strict": True}}
+        first = http.post("/v1/completions", json=body).json()
+        assert first["speculation"]["invariant_block"] == 1 and first["speculation"]["drafted"] == 0
+        settle(cal)
+        assert cal.invariant_block == target.invariant_block == 33  # a fake's logits hold at every size
+        again = http.post("/v1/completions", json=body).json()
+        assert again["speculation"]["invariant_block"] == 33
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    dec.close()
+
+    other = ClockedBytes()
+    other.name = "bytes, another file"  # another key: nothing cached for it
+    write_cache(other, cache, SCRIPTED)
+    dec = background_decoder(other)
+    sampled = dict(max_tokens=4, temperature=0.8, seed=5)
+    before = dec.generate("hello", **sampled)
+    assert before.stats.invariant_block == 1 and dec.calibration.measuring() == ["invariant block"]
+    while dec.calibration.pending:
+        dec.calibration.run_one()
+    after = dec.generate("hello", **sampled)
+    assert after.stats.invariant_block == 33 and after.text == before.text
+    dec.close()
+
+
+def test_a_measurement_that_fails_is_said_once_and_the_server_goes_on(cache):
+    target = ClockedBytes()
+    dec = background_decoder(target)
+    told = []
+    dec.calibration.say = told.append
+
+    def broken(*a, **k):
+        raise RuntimeError("the backend went away")
+
+    target.forward = broken
+    dec.calibration.run_one()  # its set-up
+    dec.calibration.run_one()  # its first forward
+    assert not dec.calibration.pending and "the backend went away" in dec.calibration.error
+    assert len(told) == 1 and "measuring the cost curve failed" in told[0]
+    assert dec.drafter.target_cost.base(33) == pytest.approx(33 * dec.drafter.target_cost.base(1))  # kept
+    dec.close()
