@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specdecode.backends.base import HiddenRows, residual_heads
-from specdecode.backends.llama_cpp import LlamaCppBackend, output_rows
+from specdecode.backends.llama_cpp import LlamaCppBackend
+from specdecode.backends.llama_heads import output_rows
 from specdecode.backends.torch_backend import TorchBackend
 from specdecode.cli import main
 from specdecode.control.controller import HiddenStateController, SpeculationController, Source

@@ -16,37 +16,13 @@ import numpy as np
 
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MAX_THREADS, MIN_N_CTX, check_text
-from .base import BackendBase, HiddenRows, SeqForward, residual_heads
+from .base import BackendBase, HiddenRows, SeqForward
+from .llama_heads import numpy_heads
 from .llama_tree import forward_tree, keep_rows
 from .llama_buffers import load_model
 from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
-
-
-def output_rows(path: str | Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """The output projection's rows for the token ids [S] of a GGUF file, dequantized
-    (output.weight, or the tied token_embd.weight): w_out [S, H] float32, and the output
-    bias b_out [S] float32 where the file has one (output.bias), else None. Read with the
-    gguf package. Raises SpecDecodeError when the file has no output projection."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if t is None:
-        raise SpecDecodeError(f"{path} has no output.weight or token_embd.weight for draft heads")
-
-    def rows(t) -> np.ndarray:
-        return np.ascontiguousarray(dequantize(np.asarray(t.data)[ids], t.tensor_type).reshape(len(ids), -1),
-                                    dtype=np.float32)
-
-    bias = tensors.get("output.bias") if t.name == "output.weight" else None
-    return rows(t), rows(bias).reshape(len(ids)) if bias is not None else None
-
-
 class LlamaCppBackend(BackendBase):
     """One GGUF model on llama.cpp, with a KV cache of n_seq sequences.
 
@@ -62,7 +38,7 @@ class LlamaCppBackend(BackendBase):
     a sequence's forwards attend over its own cells only, laid out as in a run of its own, and
     stay batch-invariant in a batch (``kv_shared`` False); a batch of unequal blocks is then
     split into several ubatches by llama.cpp. Hidden states: the
-    embeddings output, on for the calls that need it. Trees (:mod:`specdecode.trees.llama_forward`): tree_branches leaves.
+    embeddings output, on for the calls that need it. Trees (:mod:`.llama_tree`): tree_branches leaves.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
@@ -371,22 +347,11 @@ class LlamaCppBackend(BackendBase):
         return self._n_embd
 
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
-        """Residual heads (:func:`residual_heads`) in numpy over the output projection's rows
-        for vocab_subset (and its bias, where the model has one), read from the GGUF and
-        dequantized once: f(h [H], k) -> logits [k, V] float32, -inf outside the subset."""
-        ids = np.asarray(vocab_subset, dtype=np.int64)
-        w_out, b_out = output_rows(self.path, ids)
-        W, b, V = weight.astype(np.float32), bias.astype(np.float32), self._n_vocab
-
-        def run(h: np.ndarray, k: int) -> np.ndarray:
-            logits = np.full((k, V), -np.inf, dtype=np.float32)
-            logits[:, ids] = residual_heads(h, W[:k], b[:k], w_out, b_out, np.einsum, _silu)
-            return logits
-
-        return run
+        """Residual heads in numpy over the GGUF's output rows (:func:`.llama_heads.numpy_heads`)."""
+        return numpy_heads(self.path, self._n_vocab, weight, bias, vocab_subset)
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
-        """A tree block on seq (:mod:`specdecode.trees.llama_forward`): (logits [N, V], hidden [N, H] or None)."""
+        """A tree block on seq (:mod:`.llama_tree`): (logits [N, V], hidden [N, H] or None)."""
         self._require_open()
         return forward_tree(self, token_ids, parents, seq, hidden)
 
