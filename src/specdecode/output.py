@@ -22,6 +22,7 @@ from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
+from .sampling import log_softmax
 from .stats import Stats
 from .textstream import TextAssembler
 
@@ -120,12 +121,6 @@ def _streamed_bytes(text: TextAssembler) -> int:
     private offset: the decoded deltas do not give it back when a token's bytes are not
     valid UTF-8.)"""
     return text._emitted
-
-
-def _log_softmax(row: np.ndarray) -> np.ndarray:
-    z = row.astype(np.float64)
-    z = z - z.max()
-    return z - np.log(np.exp(z).sum())
 
 
 class OutputAccumulator:
@@ -290,7 +285,7 @@ class OutputAccumulator:
 
     def _logprob(self, row: np.ndarray, tok: int) -> TokenLogprob:
         n = min(self.n_logprobs or 0, len(row))  # a codebook may be smaller than the N asked for
-        lps = _log_softmax(row)
+        lps = log_softmax(row)
         top = np.argpartition(lps, -n)[-n:] if n > 0 else np.array([], dtype=np.int64)
         top = top[np.argsort(-lps[top])]
 

@@ -257,6 +257,13 @@ def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return idx
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log softmax of logits [V] (or any shape: over all its entries), in float64."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
 def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Sample one token id from probs: [V], a (possibly unnormalised) distribution."""
     return _sample(np.asarray(probs, dtype=np.float64), rng)

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..limits import DEFAULT_TREE_WIDTH
+from ..sampling import log_softmax
 from .base import Draft
 
 
@@ -50,11 +51,6 @@ def set_tree_options(drafter, nodes: int, width: int | None = None) -> None:
 MIN_EXPAND_PROB = 0.02
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64) - np.max(logits)
-    return z - np.log(np.exp(z).sum())
-
-
 def grow_tree(forward_rows: Callable, base: int, root_logits: np.ndarray, depth: int, budget: int, width: int,
               eog_ids: Sequence[int], over_target: Callable[[np.ndarray], np.ndarray],
               min_prob: float = MIN_EXPAND_PROB) -> Draft:
@@ -76,7 +72,7 @@ def grow_tree(forward_rows: Callable, base: int, root_logits: np.ndarray, depth:
     row_of: dict[int, int] = {}  # expanded node -> its cell after base
 
     def add_children(logits: np.ndarray, parent: int, at_depth: int) -> None:
-        lp = _log_softmax(logits)
+        lp = log_softmax(logits)
         start = logp[parent] if parent >= 0 else 0.0
         top = np.argpartition(-lp, width - 1)[:width] if width < len(lp) else np.arange(len(lp))
         for t in top[np.argsort(-lp[top], kind="stable")]:  # O(V), not a sort of the vocabulary

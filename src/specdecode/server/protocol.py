@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ..errors import SpecDecodeError
 from ..grammar import Grammar
-from ..limits import MAX_N, check_logprobs
+from ..limits import MAX_N, check_logprobs, is_int
 from ..messages import check_messages, json_repr
 from ..request import GenerationOptions
 from ..sampling import SamplingParams
@@ -97,14 +97,10 @@ class GenRequest:
         return replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64))
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_finite_number(x: Any) -> bool:
     """An int or float that converts to a finite float (JSON allows integers of any length:
     1 followed by 400 zeros is beyond float's range, and math.isfinite raises on it)."""
-    if _is_int(x):
+    if is_int(x):
         try:
             return math.isfinite(float(x))
         except OverflowError:
@@ -133,7 +129,7 @@ class _Body:
         return v
 
     def integer(self, name: str, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
-        v = self._typed(name, _is_int, "an integer")
+        v = self._typed(name, is_int, "an integer")
         if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
             name = self.prefix + name
             lo_s = f"{lo} <= " if lo is not None else ""
