@@ -82,7 +82,7 @@ def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], c
         drafters[i].set_quota(q)
 
 
-def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target) -> int:
+def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target, allowed: bool = True) -> int:
     """The node budget of one generation's trees of drafts, set on its drafter (and the
     controller's sources): the request's max_tree_nodes, else the engine's, else 0 (chains:
     on the development CPUs trees measured no faster, :data:`specdecode.limits.DEFAULT_TREE_NODES`);
@@ -94,6 +94,6 @@ def tree_budget(drafter: Drafter, requested: int | None, default: int | None, ta
         raise SpecDecodeError(f"max_tree_nodes = {nodes}: {target.name} was loaded to verify chains only; load it "
                               f"with trees (Decoder(max_tree_nodes=N), --max-tree-nodes N) or ask for 0",
                               param="max_tree_nodes")
-    nodes = nodes or 0
+    nodes = (nodes or 0) if allowed else 0  # allowed: drafters.tree.trees_allowed
     set_tree_options(drafter, nodes)
     return nodes

@@ -31,10 +31,16 @@ class TreeDrafting:
     tree_width = DEFAULT_TREE_WIDTH
 
     def drafts_tree(self, sampler) -> bool:
-        """Whether this generation's drafts are trees: a budget, greedy decoding without
-        penalties or a grammar (each path would need its own history and grammar state)."""
-        p = sampler.params
-        return self.tree_nodes > 0 and p.greedy and not p.has_penalties and sampler.constraint is None
+        """Whether this generation's drafts are trees: a budget (set only where
+        :func:`trees_allowed`) and greedy decoding (the drafters' trees are greedy)."""
+        return self.tree_nodes > 0 and sampler.params.greedy
+
+
+def trees_allowed(sampler, invariant: bool) -> bool:
+    """The one rule of whether a generation may have trees of drafts at all: no penalties or
+    grammar (each path would need its own history and grammar state) and not batch-invariant
+    (a tree's forward is not the arithmetic of one-token steps). Where not, its budget is 0."""
+    return not sampler.params.has_penalties and sampler.constraint is None and not invariant
 
 
 def set_tree_options(drafter, nodes: int, width: int | None = None) -> None:

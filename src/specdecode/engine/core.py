@@ -15,6 +15,7 @@ from ..control.invariance import measure_invariant_block
 from ..control.planner import plan_batch, tree_budget
 from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter, StepOutcome
 from ..drafters.kinds import resolve_request
+from ..drafters.tree import trees_allowed
 from ..errors import ContextOverflowError, SpecDecodeError
 from ..grammar import GrammarConstraint
 from ..limits import check_max_tree_nodes, check_num_speculative_tokens
@@ -135,7 +136,8 @@ class SpeculativeEngine:
         if gen.invariant:
             where.forget()  # no reuse: the prompt is prefilled as a fresh start would
         self.forwards.set_invariant(gen.invariant)
-        gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target)
+        gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target,
+                                     trees_allowed(sampler, gen.invariant))
         gen.drafter.start(prompt_ids, sampler)
         self._prefill(where, gen.committed, gen.drafter)
         if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free
@@ -199,13 +201,12 @@ class SpeculativeEngine:
 
     def _draft(self, gen: Generation, k: int, tree_ok: bool = False) -> tuple[list[int], np.ndarray | None, list | None]:
         """Up to k drafted ids (cut where the grammar rejects one), their probs [k, V], and a
-        tree's parents (None for a chain). A tree is verified as one only alone in the step,
-        on a backend that verifies trees, without a grammar, penalties or batch invariance
-        (each path would need its own history); else its first path is the chain."""
+        tree's parents (None for a chain). A tree is verified as one only alone in the step
+        and within the generation's budget (0 where :func:`trees_allowed` says no); else its
+        first path is the chain."""
         draft = gen.drafter.propose(gen.committed, k) if k > 0 else Draft([])
         if draft.parents is not None:
-            n = (tree_ok and self.target.supports_tree and gen.sampler.constraint is None and not gen.invariant
-                 and not gen.sampler.params.has_penalties
+            n = (tree_ok and gen.tree_nodes > 0  # (a budget only where trees_allowed, on a target that verifies them)
                  and min(tree_prefix_within(draft.parents, self.target.max_tree_leaves), gen.tree_nodes, gen.room))
             if n and n > 0:  # the most leading nodes the target verifies as one tree
                 return list(draft.token_ids[:n]), None, list(draft.parents[:n])
