@@ -105,6 +105,11 @@ def test_speculative_choices(client, plain):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0,
                                        extra_body={"speculative": {"max_tree_nodes": 0}})
     assert r.model_extra["speculation"]["max_tree_nodes"] == 0 and r.model_extra["speculation"]["tree_steps"] == 0
+    # What ran, not what was asked: plain decoding drafts nothing whatever K the server has.
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                       extra_body={"speculative": {"draft": "none"}})
+    spec = r.model_extra["speculation"]
+    assert (spec["draft"], spec["num_speculative_tokens"], spec["drafted"], spec["strict"]) == ("none", 0, 0, False)
 
 
 @pytest.mark.parametrize("body, param", [

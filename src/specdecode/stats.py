@@ -31,6 +31,10 @@ class Stats:
         verifications held (the target's measured invariant_block).
     weights: where the target's weights live (llama.cpp: the buffer choice and its buffer
         types with their MiB, "repack (CPU_Mapped 1060 MiB, CPU_REPACK 597 MiB)"); "" elsewhere.
+    draft, num_speculative_tokens, max_tree_nodes, strict: what the generation ran with, as
+        the engine decided it once at its start ("none" and 0 for plain decoding; the cap on
+        drafted tokens per step; the node budget of its trees, 0: chains; strict mode): what
+        a response's ``speculation`` reports.
     accepted_prediction_tokens / rejected_prediction_tokens: None without a prediction;
         else the tokens drafted from the prediction that the target accepted / rejected
         (verified and discarded), as OpenAI's usage.completion_tokens_details reports them.
@@ -56,6 +60,10 @@ class Stats:
     weights: str = ""
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    draft: str = ""
+    num_speculative_tokens: int = 0
+    max_tree_nodes: int = 0
+    strict: bool = False
     tree_steps: int = 0
     tree_nodes: int = 0  # nodes verified in tree steps
     tree_accepted: int = 0  # nodes of the accepted paths of tree steps
@@ -147,4 +155,8 @@ class Stats:
             "accepted_per_rank": list(self.accepted_per_rank),
             "accepted_prediction_tokens": self.accepted_prediction_tokens,
             "rejected_prediction_tokens": self.rejected_prediction_tokens,
+            "draft": self.draft,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "max_tree_nodes": self.max_tree_nodes,
+            "strict": self.strict,
         }

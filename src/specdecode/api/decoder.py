@@ -136,6 +136,7 @@ class Decoder:
                                            n_slots=parallel, max_tree_nodes=max_tree_nodes, tree_width=tree_width,
                                            calibration=self.calibration)
             self.drafter = self.engine.drafter
+            self.engine.draft_name = self.draft_name
         except BaseException:
             release_backends(given)
             if self.target not in given:  # a backend the caller gave stays theirs, as it was

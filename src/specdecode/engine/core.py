@@ -72,6 +72,7 @@ class SpeculativeEngine:
         self._plain = NoDrafter()  # plain decoding on the same target (GenerationOptions.plain)
         self._uses = 0
         self.forwards = BatchForwards(target, invariance)  # the step's forwards, batch-invariant where asked
+        self.draft_name = drafter.name  # what a generation's statistics name its drafter (Decoder: the --draft given)
 
     def free_slots(self) -> int:
         """Slots without a running generation."""
@@ -138,6 +139,10 @@ class SpeculativeEngine:
         self.forwards.set_invariant(gen.invariant)
         gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target,
                                      trees_allowed(sampler, gen.invariant))
+        # What it runs with, decided here once; the response reports it.
+        out.stats.draft = "none" if choice.plain else choice.drafting.draft or self.draft_name
+        out.stats.num_speculative_tokens, out.stats.max_tree_nodes = K, gen.tree_nodes
+        out.stats.strict = gen.invariant and options.batch_invariant == "on"
         gen.drafter.start(prompt_ids, sampler)
         self._prefill(where, gen.committed, gen.drafter)
         if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free

@@ -207,8 +207,6 @@ class _Routes:
         self.worker = worker
         self.metrics = worker.metrics
         self.created = int(time.time())
-        self.draft_info = {"draft": decoder.draft_name,
-                           "num_speculative_tokens": decoder.engine.num_speculative_tokens}
         self.store = ResponseStore()
 
     def add_to(self, app: FastAPI) -> None:
@@ -245,19 +243,11 @@ class _Routes:
 
         return JSONResponse(cost_view(self.decoder, self.model_name))
 
-    def speculation(self, result: Any, req: Any = None) -> dict:
-        """A choice's statistics, with the draft and K it ran with (the request's own, from
-        its ``speculative`` field, where it set them)."""
-        info = dict(self.draft_info)
-        opts = getattr(req, "options", None)
-        if opts is not None and opts.draft is not None:
-            info["draft"] = opts.draft
-        for name in ("num_speculative_tokens", "max_tree_nodes"):
-            if opts is not None and getattr(opts, name) is not None:
-                info[name] = getattr(opts, name)
-        if opts is not None:
-            info["strict"] = opts.batch_invariant == "on"
-        return {**result.stats.to_dict(), **info}
+    @staticmethod
+    def speculation(result: Any) -> dict:
+        """A choice's statistics, with the draft, K, tree budget and strict mode it ran with,
+        as the engine recorded them (:class:`specdecode.stats.Stats`)."""
+        return result.stats.to_dict()
 
     async def completions(self, request: Request) -> Response:
         return await self.serve(request, "completion")
@@ -281,8 +271,8 @@ class _Routes:
             raise event[1]
         if not req.stream:
             choices = [e[1] for e in first]
-            return JSONResponse(full_response(kind, self.model_name, choices, lambda r: self.speculation(r, req), req.tools))
-        return _sse_response_class()(stream(kind, self.model_name, req, job, event, lambda r: self.speculation(r, req)),
+            return JSONResponse(full_response(kind, self.model_name, choices, self.speculation, req.tools))
+        return _sse_response_class()(stream(kind, self.model_name, req, job, event, self.speculation),
                                      on_close=lambda: self.worker.cancel(job))
 
     async def responses(self, request: Request) -> Response:
@@ -309,7 +299,7 @@ class _Routes:
         event = first[-1]
         if event[0] == "error":
             raise rename_error(event[1])
-        builder = ResponseBuilder(rr, self.model_name, lambda r: self.speculation(r, rr.req))
+        builder = ResponseBuilder(rr, self.model_name, self.speculation)
 
         def keep(response: dict) -> None:
             if rr.store:
