@@ -135,7 +135,7 @@ class OutputAccumulator:
 
     def __init__(self, prompt_ids: Sequence[int], eog_ids: Collection[int], token_bytes: Callable[[int], bytes],
                  max_tokens: int, stop: Sequence[str] = (), logprobs: int | None = None,
-                 record_top2_gaps: bool = False, started: float | None = None) -> None:
+                 record_top2_gaps: bool = False, started: float | None = None, trace: bool = False) -> None:
         self.prompt_ids = list(prompt_ids)
         self.eog_ids = eog_ids
         self.token_bytes = token_bytes
@@ -151,7 +151,7 @@ class OutputAccumulator:
         self._draft_pos: list[int] = []  # per emitted token: its draft position, -1 for the target's own
         self._draft_by: list[str | None] = []  # per emitted token: the drafter of an accepted draft, else None
         # trace: each delta also says which drafter each piece of its text came from (runs) and its step.
-        self.trace, self._step, self._traced_bytes = False, None, 0
+        self.trace, self._step, self._traced_bytes = trace, None, 0
         self._token_ends: list[int] = []  # per emitted token: byte offset where its bytes end
         self._reported = 0  # emitted tokens already reported by a TextDelta
         self._text = TextAssembler(stop)

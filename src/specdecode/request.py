@@ -50,6 +50,8 @@ class GenerationOptions:
         ``request_field``), each as target token ids [P]: a mapping, kept as sorted
         (field, ids) pairs. ``prediction`` is the one OpenAI names; :meth:`request_inputs`
         gives them all.
+    trace: each streamed text delta also says which drafter each piece of its text came from
+        and its step (the server's ``speculative.trace``).
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -67,6 +69,7 @@ class GenerationOptions:
     draft: str | None = None
     max_tree_nodes: int | None = None
     inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    trace: bool = False
 
     def request_inputs(self) -> dict[str, tuple[int, ...]]:
         """Every request-fed input by field, the prediction's included."""
@@ -127,7 +130,7 @@ class GenerationOptions:
         self._check_inputs()
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecDecodeError(f"draft must be a non-empty string, got {self.draft!r}", param="draft")
-        for name in ("record_top2_gaps", "plain"):
+        for name in ("record_top2_gaps", "plain", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
 

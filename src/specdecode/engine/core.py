@@ -117,7 +117,7 @@ class SpeculativeEngine:
         sampler = Sampler(options.sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None,
                           prompt_len=len(prompt_ids))
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, options.max_tokens,
-                                options.stop, options.logprobs, options.record_top2_gaps, started)
+                                options.stop, options.logprobs, options.record_top2_gaps, started, options.trace)
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
                          options.invariant)
         if gen.invariant and getattr(self.target, "kv_shared", False):  # (a test double may not declare it)

@@ -85,16 +85,17 @@ class GenRequest:
         """None, or how many most likely tokens to report per emitted token."""
         return self.options.logprobs
 
-    def choice_options(self, i: int, max_tokens: int) -> GenerationOptions:
+    def choice_options(self, i: int, max_tokens: int, inputs: tuple = ()) -> GenerationOptions:
         """The options of choice i, generating max_tokens (as :func:`resolve_max_tokens`
-        settled them): with a seed, choice i draws from seed + i (modulo 2**64, the seed's
-        range), so that a seeded request repeats choice by choice; without one, each choice
-        draws its own seed from the OS."""
-        options = replace(self.options, max_tokens=max_tokens)
-        seed = options.sampling.seed
-        if seed is None or i == 0:
-            return options
-        return replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64))
+        settled them), with the request-fed inputs as prepared (token ids by field) and its
+        trace where it streams: with a seed, choice i draws from seed + i (modulo 2**64, the
+        seed's range), so that a seeded request repeats choice by choice; without one, each
+        choice draws its own seed from the OS."""
+        seed, sampling = self.options.sampling.seed, self.options.sampling
+        if seed is not None and i > 0:
+            sampling = replace(sampling, seed=(seed + i) % 2**64)
+        return replace(self.options, max_tokens=max_tokens, sampling=sampling, inputs=inputs or self.options.inputs,
+                       trace=self.trace and self.stream)
 
 
 def _is_finite_number(x: Any) -> bool:

@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jinja2 import TemplateError
@@ -293,11 +293,7 @@ class Worker:
 
     def _begin_choice(self, r: _Running) -> None:
         p = r.prepared
-        options = r.job.req.choice_options(r.index, p.max_tokens)
-        if p.inputs:
-            options = replace(options, inputs=p.inputs)
-        r.gen = self.decoder.begin(prompt_ids=p.ids, options=options)
-        r.gen.out.trace = r.job.req.trace and r.job.req.stream  # deltas say where their text came from
+        r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs))
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
         self._release(r)
