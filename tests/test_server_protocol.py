@@ -132,7 +132,7 @@ BAD = [
     ("x", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content",
      "messages[0].content must be a string or a list of text parts, got 5"),
     ("x", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages[0].content", "messages[0].content[0] = "),
+     400, "messages[0].content[0]", "messages[0].content[0] = "),
     ("x", {"model": MODEL, "messages": [*CHAT, {"role": "assistant", "content": "x", "name": "bob"}]}, 400,
      "messages[1].name", "messages[1]: unsupported field(s) name"),
     ("x", {"model": MODEL, "prompt": "hi"}, 400, "prompt", "unsupported field(s): prompt"),

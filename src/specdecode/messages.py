@@ -83,20 +83,26 @@ def _check_message(msg: Any, where: str) -> dict:
     return out
 
 
+def text_parts(value: Any, where: str, exact: bool = False) -> str:
+    """A text, or OpenAI's list of text parts (``[{"type": "text", "text": ...}]``) joined, as
+    one string: the one reader of that shape (message contents, a prediction's content, the
+    Python API's request-fed inputs). exact: a part holds no other keys. Raises
+    SpecDecodeError naming ``where[j]`` for a part of another shape, ``where`` for another type."""
+    if isinstance(value, list):
+        for j, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    and (not exact or set(part) == {"type", "text"})):
+                raise SpecDecodeError(f"{where}[{j}] = {json_repr(part)} is not supported: only "
+                                      '{"type": "text", "text": ...} parts are', param=f"{where}[{j}]")
+        value = "".join(p["text"] for p in value)
+    if not isinstance(value, str):
+        raise SpecDecodeError(f"{where} must be a string or a list of text parts, got {json_repr(value)}", param=where)
+    return value
+
+
 def _content(content: Any, where: str) -> str:
     """A message's content as one string (text parts joined)."""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise SpecDecodeError(f"{where}.content[{j}] = {json_repr(part)} is not supported: only "
-                                      '{"type": "text", "text": ...} parts are', param=f"{where}.content")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise SpecDecodeError(f"{where}.content must be a string or a list of text parts, got "
-                              f"{json_repr(content)}", param=f"{where}.content")
-    return check_text(content, f"{where}.content")
+    return check_text(text_parts(content, f"{where}.content"), f"{where}.content")
 
 
 def _check_tool_calls(calls: Any, where: str) -> list[dict]:

@@ -23,7 +23,7 @@ from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_
     check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
 from ..assembly.loading import load_backend, make_speculation
-from ..messages import check_messages, template_messages
+from ..messages import check_messages, template_messages, text_parts
 from ..output import GenerationResult, TextDelta
 from ..request import GenerationOptions
 from .compare import compare
@@ -302,14 +302,7 @@ class Decoder:
         tokenized once with the target's tokenizer (no BOS, special tokens as text); safe
         beside a running step where the tokenizer is (``thread_safe_tokenizer``). field: the
         input's name, for errors. Raises SpecDecodeError (param: the field) for anything else."""
-        if isinstance(text, list):
-            for i, p in enumerate(text):
-                if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                    raise SpecDecodeError(f'{field}[{i}] must be {{"type": "text", "text": ...}}, got {p!r:.60}',
-                                          param=f"{field}[{i}]")
-            text = "".join(p["text"] for p in text)
-        if not isinstance(text, str):
-            raise SpecDecodeError(f"{field} must be a string, got {type(text).__name__}", param=field)
+        text = text_parts(text, field)
         with self._tokenizer_lock():
             self.check_open()
             return self.target.tokenize(check_text(text, field), add_special=False, parse_special=False)

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, MAX_TREE_NODES, is_int
-from ..messages import json_repr
+from ..messages import json_repr, text_parts
 
 # An option the engine names (SpecDecodeError.param) -> the request field that set it.
 FIELD_OF_OPTION = {"draft": "speculative.draft", "num_speculative_tokens": "speculative.num_speculative_tokens",
@@ -48,18 +48,7 @@ def parse_content(value: Any, field: str = "prediction") -> str | None:
         return None
     if not isinstance(value, dict) or value.get("type") != "content" or set(value) != {"type", "content"}:
         raise _error(f'{field} must be {{"type": "content", "content": ...}}, got {json_repr(value)}', field)
-    content = value["content"]
-    if isinstance(content, list):
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                    and set(part) == {"type", "text"}):
-                raise _error(f'{field}.content[{i}] must be {{"type": "text", "text": ...}}, got '
-                             f"{json_repr(part)}", f"{field}.content[{i}]")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise _error(f"{field}.content must be a string or a list of text parts, got {json_repr(content)}",
-                     f"{field}.content")
-    return content or None
+    return text_parts(value["content"], f"{field}.content", exact=True) or None
 
 
 def parse_speculative(value: Any, strict: bool = False) -> dict:
