@@ -33,6 +33,19 @@ from ..files import read_cache_json, write_cache_json
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS, is_int
 from .costcache import COST_CACHE_MAX_AGE_S, machine_key
 from .measure import drive
+from ..errors import SpecDecodeError
+
+
+def check_strict_allowed(target: Backend, param: str = "batch_invariant") -> None:
+    """The one rule of where strict mode (batch invariance "on") may run: a target whose
+    sequences have KV caches of their own. In one shared buffer what runs beside a generation
+    changes its arithmetic (measured), so no forward there is batch-invariant. Raises
+    SpecDecodeError (param: the option that asked) otherwise."""
+    if getattr(target, "kv_shared", False):  # (a test double may not declare it)
+        raise SpecDecodeError(
+            f"strict mode (batch_invariant \"on\") needs a KV cache of its own for each sequence: {target.name} "
+            f"holds {target.n_seq} sequences in one shared buffer, where what runs beside a generation changes its "
+            "arithmetic; load it with kv_per_sequence=True (serve --strict does)", param=param)
 
 # Block sizes tested, up to a whole verification (K = 32 plus the last committed token).
 # Every size up to 8 (llama.cpp's kernels change at 4 and 8 rows), then the bends further up.

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..backends.base import Backend, SeqForward, tree_prefix_within
-from ..control.invariance import measure_invariant_block
+from ..control.invariance import check_strict_allowed, measure_invariant_block
 from ..control.planner import plan_batch, tree_budget
 from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter, StepOutcome
 from ..drafters.kinds import resolve_request
@@ -120,14 +120,10 @@ class SpeculativeEngine:
                                 options.stop, options.logprobs, options.record_top2_gaps, started, options.trace)
         gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
                          options.invariant)
-        if gen.invariant and getattr(self.target, "kv_shared", False):  # (a test double may not declare it)
-            if options.batch_invariant == "on":
-                raise SpecDecodeError(
-                    f"batch_invariant = \"on\" (strict mode) needs a KV cache of its own for each sequence: "
-                    f"{self.target.name} holds {self.target.n_seq} sequences in one shared buffer, where what runs "
-                    "beside a generation changes its arithmetic; load it with kv_per_sequence=True "
-                    "(serve --strict)", param="batch_invariant")
-            gen.invariant = False  # "auto" (a seed) verifies as usual there
+        if options.batch_invariant == "on":
+            check_strict_allowed(self.target)
+        elif gen.invariant and getattr(self.target, "kv_shared", False):
+            gen.invariant = False  # "auto" (a seed) verifies as usual where strict is not allowed
         if gen.invariant:
             block = self.forwards.invariant_block(where)
             # "auto" does not trade all speculation for it: with a block of 1 (no forward of two

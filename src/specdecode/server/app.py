@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from ..control.invariance import check_strict_allowed
 from ..errors import SpecDecodeError
 from .access import (AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin,
                      require_json)
@@ -106,10 +107,8 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
     options = replace(options or ServerOptions(), **fields)
     if options.model_name is None:
         options = replace(options, model_name=decoder.target_name)
-    if options.strict and getattr(decoder.target, "kv_shared", False):
-        raise SpecDecodeError(f"strict mode for every request needs a KV cache of its own for each slot: the target "
-                              f"{decoder.target_name} holds {decoder.target.n_seq} in one shared buffer; load the "
-                              "Decoder with kv_per_sequence=True (serve --strict does)", param="strict")
+    if options.strict:
+        check_strict_allowed(decoder.target, param="strict")
     worker = Worker(decoder, options, lambda w: Metrics(w.queue_len, w.running))
 
     @contextlib.asynccontextmanager
@@ -208,6 +207,7 @@ class _Routes:
         self.metrics = worker.metrics
         self.created = int(time.time())
         self.store = ResponseStore()
+        app.state.response_store = self.store
 
     def add_to(self, app: FastAPI) -> None:
         app.add_route("/v1/completions", self.completions, methods=["POST"])
@@ -302,8 +302,9 @@ class _Routes:
         builder = ResponseBuilder(rr, self.model_name, self.speculation)
 
         def keep(response: dict) -> None:
-            if rr.store:
-                self.store.put(response, builder.history(response["output"]))
+            # One response larger than the whole store is not kept: it says so (store false).
+            if rr.store and not self.store.put(response, builder.history(response["output"])):
+                response["store"] = False
 
         if not rr.req.stream:
             response = builder.full(event[1][1])
@@ -313,17 +314,18 @@ class _Routes:
 
     async def stored_response(self, request: Request) -> Response:
         """``GET`` (the object) or ``DELETE`` a stored response; 404 naming the id when it is not stored."""
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
 
         response_id = request.path_params["response_id"]
-        found = self.store.get(response_id)
+        found = self.store.response_json(response_id)
         if found is None or (request.method == "DELETE" and not self.store.delete(response_id)):
             raise APIError(404, f"no stored response has the id {json_repr(response_id)}: this server keeps the last "
-                           f"{self.store.max_responses} responses made with store true, in memory",
+                           f"{self.store.max_responses} responses made with store true (at most "
+                           f"{self.store.max_bytes // 2**20} MiB of their JSON), in memory",
                            type="not_found_error", param="response_id", code="response_not_found")
         if request.method == "DELETE":
             return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-        return JSONResponse(found[0])
+        return Response(found, media_type="application/json")
 
     async def _first_events(self, request: Request, job: Job) -> list | Response:
         """The job's first event (a stream's) or every choice (a full response), in order;
