@@ -174,16 +174,64 @@ def test_refusals_name_the_responses_field(body, param):
 
 
 def test_the_store_is_bounded():
-    store = ResponseStore(max_responses=3, max_bytes=100)
+    store = ResponseStore(max_responses=3, max_bytes=100_000)
     for i in range(5):
         store.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * 10}])
-    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
-    store.put({"id": "big"}, [{"role": "user", "content": "x" * 95}])  # 95 + 10 > 100: r2..r4 make room
-    assert store.get("big") is not None and store.get("r3") is None
-    assert store.delete("big") and not store.delete("big")
+    assert [store.response_json(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert store.history("r4") == [{"role": "user", "content": "x" * 10}]
+    assert json.loads(store.response_json("r4")) == {"id": "r4"}
+    store.put({"id": "big"}, [{"role": "user", "content": "x" * 98_500}])  # r2, r3 make room (about 560 bytes each)
+    assert store.history("big") is not None and store.history("r3") is None and store.history("r4") is not None
+    assert store.held_bytes <= 100_000
+    assert store.delete("big") and not store.delete("big") and store.history("big") is None
 
 
-# ------------------------------------------------------------------ over HTTP, with the openai client
+def _echoing(i: int, size: int) -> dict:
+    """A response object as the server builds it, echoing a text.format whose schema holds a
+    description of size characters (the conversation itself is one short word)."""
+    schema = {"type": "object", "description": f"{i}" + "d" * size}
+    return {"id": f"resp_{i}", "object": "response", "output": [{"type": "message", "content": [
+        {"type": "output_text", "text": "ok"}]}], "text": {"format": {"type": "json_schema", "name": "p", "schema": schema}},
+        "tools": [{"type": "function", "name": "f", "description": "t" * size}], "instructions": "i" * size,
+        "metadata": {"k": "v" * 512}}
+
+
+def test_the_store_counts_every_byte_it_keeps():
+    """Issue 43: the store counted only the conversation's text and kept the whole object, so
+    responses echoing a large schema, tools and instructions held far more than its bound.
+    Counted: the bytes the store says it holds, and the bytes Python allocated for what it
+    kept (tracemalloc; the test's own objects are gone when it counts)."""
+    import gc
+    import tracemalloc
+
+    bound = 400_000
+    store = ResponseStore(max_responses=1000, max_bytes=bound)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(60):  # about 60 KB of echoed fields each: 3.6 MB offered to a 400 KB store
+            store.put(_echoing(i, 20_000), [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= bound + 20_000, held  # the bound, and the few hundred bytes of each entry's own objects
+    assert store.held_bytes <= bound
+    kept = [i for i in range(60) if store.response_json(f"resp_{i}") is not None]
+    assert kept == list(range(60 - len(kept), 60)) and len(kept) >= 5  # the newest, as many as fit
+    assert json.loads(store.response_json("resp_59")) == _echoing(59, 20_000)
+
+
+def test_a_response_larger_than_the_store_is_not_kept_and_drops_none():
+    store = ResponseStore(max_responses=10, max_bytes=100_000)
+    store.put(_echoing(1, 100), [{"role": "user", "content": "hi"}])
+    held = store.held_bytes
+    assert store.put(_echoing(2, 50_000), [{"role": "user", "content": "hi"}]) is False
+    assert store.response_json("resp_2") is None and store.history("resp_2") is None
+    assert store.response_json("resp_1") is not None and store.held_bytes == held
+
+
+# ------------------------------------------------------------------ over HTTP# ------------------------------------------------------------------ over HTTP, with the openai client
 
 
 def test_a_response_whole_and_streamed_as_the_client_reads_them(client):
@@ -250,6 +298,45 @@ def test_stored_responses_are_read_and_deleted(client, http):
     assert http.get(f"/v1/responses/{unstored.id}").status_code == 404
     msg = refused(http, {"input": "hi", "previous_response_id": unstored.id}, "previous_response_id")
     assert unstored.id in msg and "store" in msg
+
+
+def test_the_servers_store_holds_its_bound_however_requests_are_shaped(monkeypatch):
+    """Issue 43: responses whose text.format schema holds a large description (echoed in the
+    object) were kept whole beyond the store's bound. Counted: the bytes of every response GET
+    still answers, on a server whose store holds 1 MB; one response larger than that alone is
+    answered with store false and kept nowhere, and drops none of the others."""
+    import functools
+
+    from specdecode.server import app as app_module
+
+    bound = 1_000_000
+    monkeypatch.setattr(app_module, "ResponseStore", functools.partial(ResponseStore, max_bytes=bound))
+    dec = Decoder(target=ScriptBackend(), draft="ngram", num_speculative_tokens=4, progress=False)
+
+    def body(size: int, **more) -> dict:
+        schema = {"type": "object", "description": "d" * size}
+        return {"model": MODEL, "input": "hi", "max_output_tokens": 1, "instructions": "Be brief.",
+                "text": {"format": {"type": "json_schema", "name": "p", "schema": schema}}, **more}
+
+    with ServerThread(create_app(dec)) as s, httpx.Client(base_url=s.url, timeout=60) as h:
+        ids = []
+        for _ in range(12):  # 2.4 MB of schemas offered to a 1 MB store
+            r = h.post("/v1/responses", json=body(200_000))
+            assert r.status_code == 200 and r.json()["store"] is True, r.text
+            ids.append(r.json()["id"])
+        kept = {i: g.content for i in ids if (g := h.get(f"/v1/responses/{i}")).status_code == 200}
+        assert sum(len(c) for c in kept.values()) <= bound and 2 <= len(kept) < 12
+        assert list(kept) == ids[-len(kept):] and json.loads(kept[ids[-1]])["text"]["format"]["schema"] == \
+            body(200_000)["text"]["format"]["schema"]
+        big = h.post("/v1/responses", json=body(1_100_000))
+        assert big.status_code == 200 and big.json()["store"] is False
+        assert h.get(f"/v1/responses/{big.json()['id']}").status_code == 404
+        refused(h, {"input": "hi", "previous_response_id": big.json()["id"]}, "previous_response_id")
+        with h.stream("POST", "/v1/responses", json=body(1_100_000, stream=True)) as r:
+            last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+        assert last["type"] == "response.incomplete" and last["response"]["store"] is False  # cut at 1 token
+        assert all(h.get(f"/v1/responses/{i}").status_code == 200 for i in kept)  # none dropped for them
+    dec.close()
 
 
 def test_errors_found_later_name_the_responses_field(http):

@@ -207,7 +207,6 @@ class _Routes:
         self.metrics = worker.metrics
         self.created = int(time.time())
         self.store = ResponseStore()
-        app.state.response_store = self.store
 
     def add_to(self, app: FastAPI) -> None:
         app.add_route("/v1/completions", self.completions, methods=["POST"])

@@ -23,6 +23,7 @@ Pure: no FastAPI, no model.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -36,8 +37,8 @@ from .apierror import APIError
 from .protocol import GenRequest, parse_request
 from .toolcalls import ToolCallFormat
 
-# What the store keeps: this many responses at most, and this many bytes of their
-# conversations (their text), the oldest forgotten first.
+# What the store keeps: this many responses at most, and this many bytes of their JSON (the
+# response objects with every field they echo, and their conversations), the oldest forgotten first.
 STORE_MAX_RESPONSES = 1024
 STORE_MAX_BYTES = 64 * 2**20
 
@@ -208,36 +209,70 @@ def _response_format(text: Any) -> Any:
 
 class ResponseStore:
     """Stored responses (``store``, the default, as OpenAI's): the response object and the
-    conversation a ``previous_response_id`` continues, kept in memory, at most
-    STORE_MAX_RESPONSES of them and STORE_MAX_BYTES of their text, the oldest dropped first.
+    conversation a ``previous_response_id`` continues, kept in memory as their JSON text (so
+    that what is counted is what is held: every echoed field, ``text``'s schema, ``tools``,
+    ``instructions`` and ``metadata`` included), at most max_responses of them and max_bytes
+    bytes, ENTRY_BYTES counted per response besides its JSON, the oldest dropped first. A
+    response larger than max_bytes alone is not kept (:meth:`put` says so) and drops none.
     Thread-safe."""
+
+    ENTRY_BYTES = 512  # what one entry holds besides its JSON: its id, the dict's slot, the objects
 
     def __init__(self, max_responses: int = STORE_MAX_RESPONSES, max_bytes: int = STORE_MAX_BYTES) -> None:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response: dict, history: list[dict]) -> None:
-        size = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in history)
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the store counts now: its responses' JSON and ENTRY_BYTES each."""
         with self._lock:
-            self._items[response["id"]] = (response, history, size)
-            self._bytes += size
-            while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
-                _, (_, _, dropped) = self._items.popitem(last=False)
-                self._bytes -= dropped
+            return self._bytes
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+    @classmethod
+    def _size(cls, item: tuple[bytes, bytes]) -> int:
+        return len(item[0]) + len(item[1]) + cls.ENTRY_BYTES
+
+    def put(self, response: dict, history: list[dict]) -> bool:
+        """Keep a response object (by its ``id``) and the conversation after it, dropping the
+        oldest until both bounds hold. Returns False, keeping nothing and dropping nothing,
+        when this one response is larger than max_bytes alone."""
+        # ASCII JSON: a lone surrogate a client sent cannot fail the encoding, and every
+        # byte it takes is counted (an escaped character is counted as its escape).
+        item = (json.dumps(response, separators=(",", ":")).encode(),
+                json.dumps(history, separators=(",", ":")).encode())
+        size = self._size(item)
+        if size > self.max_bytes:
+            return False
+        with self._lock:
+            old = self._items.pop(response["id"], None)
+            self._bytes += size - (self._size(old) if old is not None else 0)
+            self._items[response["id"]] = item
+            while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= self._size(dropped)
+        return True
+
+    def response_json(self, response_id: str) -> bytes | None:
+        """The stored response object as JSON (UTF-8, ASCII only), None when it is not stored."""
         with self._lock:
             item = self._items.get(response_id)
-            return None if item is None else (item[0], item[1])
+        return None if item is None else item[0]
+
+    def history(self, response_id: str) -> list[dict] | None:
+        """The conversation a follow-up of the response continues (fresh objects), None when
+        it is not stored."""
+        with self._lock:
+            item = self._items.get(response_id)
+        return None if item is None else json.loads(item[1])
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
             item = self._items.pop(response_id, None)
             if item is not None:
-                self._bytes -= item[2]
+                self._bytes -= self._size(item)
             return item is not None
 
 
@@ -257,12 +292,13 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
     history: list[dict] = []
     previous = body.get("previous_response_id")
     if previous is not None:
-        found = store.get(previous) if isinstance(previous, str) else None
+        found = store.history(previous) if isinstance(previous, str) else None
         if found is None:
             raise _error(f"previous_response_id = {json_repr(previous)} is not a stored response: this server keeps "
-                         f"the last {store.max_responses} responses made with store true, in memory, until it stops",
+                         f"the last {store.max_responses} responses made with store true (at most "
+                         f"{store.max_bytes // 2**20} MiB of their JSON), in memory, until it stops",
                          "previous_response_id")
-        history = [dict(m) for m in found[1]]
+        history = found
     messages, origin = input_messages(body["input"])
     conversation, origin = history + messages, ["history"] * len(history) + origin
     instructions = body.get("instructions")
