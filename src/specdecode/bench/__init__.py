@@ -20,9 +20,15 @@ the plain outputs replayed with the target's measured cost curve T(n), each step
 the lookup draft and K (up to 32) that commit the most tokens per second given the
 outcome; reported as ``oracle_speedup`` and ``oracle_fraction`` (measured speedup over it).
 
-Modules: :mod:`.suite` (prompts, configurations), :mod:`.runner` (:class:`BenchConfig`,
-:func:`run_bench`, the library entry point), :mod:`.peers`, :mod:`.oracle`, :mod:`.report`
-(summary, Markdown, plots, table) and :mod:`.cli` (the ``bench`` subcommand).
+With ``--vary SETTING=V1,V2`` (:mod:`.vary`) every run goes at each value of one setting
+(flash attention, the weights' buffers, strict mode, the sampling rule), the values'
+runs interleaved prompt by prompt, and the report adds one table of their rates and ratios.
+
+Modules: :mod:`.suite` (prompts, configurations), :mod:`.config` (:class:`BenchConfig`),
+:mod:`.vary` (the settings ``--vary`` knows), :mod:`.runner` (:func:`run_bench`, the library
+entry point) and :mod:`.runs` (one prompt's runs, in rotating order), :mod:`.peers`,
+:mod:`.oracle`, :mod:`.report` (summary, Markdown, plots, table), :mod:`.tools` (what the
+probe scripts of ``benchmarks/`` share) and :mod:`.cli` (the ``bench`` subcommand).
 
 Example::
 
@@ -34,15 +40,20 @@ Example::
 from .cli import add_bench_parser, cmd_bench, config_from_args
 from .oracle import OracleResult, OracleStep, lookup_drafters, oracle_replay, oracle_speedup
 from .peers import PromptLookupPeer, TransformersPeer, decode_rate, torch_draft_model
-from .report import markdown, plots, print_table, summarize, write_outputs
-from .runner import BenchConfig, peak_rss_mb, run_bench
+from .config import BenchConfig
+from .report import markdown, plots, print_table, summarize, vary_table, write_outputs
+from .runner import copy_limit, open_decoder, peak_rss_mb, run_bench
+from .runs import history_as, history_keepers
 from .suite import CATEGORIES, BenchPrompt, load_prompts, parse_config, select_prompts
+from .tools import cpu_name, free_port, serve_process
+from .vary import SETTINGS, Vary, parse_vary
 
 __all__ = [
-    "BenchConfig", "run_bench", "peak_rss_mb",
+    "BenchConfig", "run_bench", "open_decoder", "peak_rss_mb", "copy_limit", "history_as", "history_keepers",
+    "SETTINGS", "Vary", "parse_vary", "cpu_name", "free_port", "serve_process",
     "CATEGORIES", "BenchPrompt", "load_prompts", "parse_config", "select_prompts",
     "OracleResult", "OracleStep", "lookup_drafters", "oracle_replay", "oracle_speedup",
     "PromptLookupPeer", "TransformersPeer", "decode_rate", "torch_draft_model",
-    "summarize", "markdown", "plots", "print_table", "write_outputs",
+    "summarize", "markdown", "plots", "print_table", "vary_table", "write_outputs",
     "add_bench_parser", "cmd_bench", "config_from_args",
 ]

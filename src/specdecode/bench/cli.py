@@ -11,8 +11,10 @@ from pathlib import Path
 from ..options import (add_model_options, add_sampling_options, add_tree_options, check_model_args, read_input,
                        sampling_from_args)
 from .report import print_table, write_outputs
-from .runner import DEFAULT_CONFIGS, BenchConfig, run_bench
+from .config import DEFAULT_CONFIGS, BenchConfig
+from .runner import run_bench
 from .suite import DEFAULT_BENCH_MAX_TOKENS
+from .vary import SETTINGS
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,6 +40,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--background-load", type=float, default=None, metavar="F",
                    help="run beside a CPU load taking this fraction of the machine (0 < F <= 1; 0.5 on 2 cores "
                         "keeps one core busy): is speculation still never slower on a busy machine?")
+    b.add_argument("--vary", default=None, metavar="SETTING=V1,V2",
+                   help="run everything at each value of one setting, interleaved prompt by prompt, and print one "
+                        "table of the values' rates and ratios (the first value is the reference): "
+                        + "; ".join(f"{s.name}={','.join(s.choices)}" for s in SETTINGS.values())
+                        + " (flash_attn and buffers load the models once per value)")
     _add_output_options(b, "results", cmd_bench)
     return b
 
@@ -62,7 +69,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
         progress=not args.quiet, background_load=args.background_load,
         prediction=read_input(args.prediction_file, "--prediction-file") if args.prediction_file else None,
-        max_tree_nodes=args.max_tree_nodes, tree_width=args.tree_width,
+        max_tree_nodes=args.max_tree_nodes, tree_width=args.tree_width, vary=args.vary,
     )
 
 

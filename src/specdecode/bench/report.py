@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence, TextIO
 
+from .config import WITH_PREDICTION, WITH_TREES, config_of, run_label
 from .suite import CATEGORIES, parse_config
 
 PARITY_STATES = ("exact", "near-tie", "divergent")
@@ -41,7 +42,9 @@ def _oracle(rs: list[dict], speedup: float | None) -> dict:
 
 
 def summarize(rows: list[dict], configs: list[str]) -> dict:
-    """Per configuration, per category and "overall": median decode tokens/s (speculative,
+    """Per run name (``configs``: a configuration, "CONFIG [SETTING=VALUE]" with --vary; a row
+    counts under :func:`specdecode.bench.config.run_label` of its config and vary), per category
+    and "overall": median decode tokens/s (speculative,
     plain, peers), speedup, acceptance rate, mean accepted length, per-position acceptance,
     parity counts, and the oracle's speedup and the fraction of it reached (None where the
     rows have no oracle times: sampling, draft models). A peer's ratio (vs_peer,
@@ -52,7 +55,8 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
     for cfg in configs:
         per: dict = {}
         for cat in cats + ["overall"]:
-            rs = [r for r in rows if r["config"] == cfg and (cat == "overall" or r["category"] == cat)]
+            rs = [r for r in rows if run_label(r["config"], r.get("vary")) == cfg
+                  and (cat == "overall" or r["category"] == cat)]
             if not rs:
                 continue
             spec = _median([r["spec_tokens_per_s"] for r in rs])
@@ -177,10 +181,11 @@ def plots(summary: dict, rows: list[dict], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     by_draft: dict = {}
     for cfg in cfgs:
-        base = cfg.removesuffix("+prediction").removesuffix("+trees")  # runs of the same configuration
+        name = config_of(cfg)  # the configuration's row name, without a varied setting's value
+        base = name.removesuffix(WITH_PREDICTION).removesuffix(WITH_TREES)  # runs of the same configuration
         draft, k = parse_config(base)
-        if k != "auto" and base == cfg:
-            by_draft.setdefault(draft, []).append((k, summary[cfg]["overall"]["decode_tokens_per_s"]))
+        if k != "auto" and base == name:
+            by_draft.setdefault(draft + cfg[len(name):], []).append((k, summary[cfg]["overall"]["decode_tokens_per_s"]))
         else:
             ax.axhline(summary[cfg]["overall"]["decode_tokens_per_s"], ls="--", lw=1, label=f"{cfg}")
     for draft, pts in by_draft.items():
@@ -200,7 +205,7 @@ def write_outputs(result: dict, out: Path) -> None:
     when the folder cannot be written, ImportError without matplotlib."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result["summary"], result["meta"]))
+    (out / "results.md").write_text(markdown(result["summary"], result["meta"]) + "\n".join(vary_markdown(result)))
     result["meta"]["plots"] = plots(result["summary"], result["rows"], out)
 
 
@@ -230,3 +235,78 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
                   f"{e['acceptance_rate']:7.3f} {e['mean_accepted_length']:5.2f} "
                   f"{peer if peer is not None else '-':>7}{extra} {p['exact']:>5}/{p['near-tie']}/{p['divergent']}",
                   file=file)
+    print_vary(result, file)
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def vary_table(result: dict) -> tuple[str, list[list[str]], list[str]]:
+    """The ``--vary`` table of a result (as llama-bench prints one table over a setting's
+    values): a title, rows of cells (the header first) and notes.
+
+    Rows: plain decoding's and each configuration's decode tokens/s (medians over all prompts)
+    at each value, each configuration's speedup over the same value's plain decoding, and how
+    many of its runs gave that plain run's tokens; the last columns divide each later value by
+    the first. Notes: what each value's target reported, each value's copy limit L, and how
+    each later value's plain runs compare with the first's (greedy: parity exact / near-tie /
+    divergent; sampling: the same tokens or not).
+    """
+    meta, summary = result["meta"], result["summary"]
+    vary = meta["vary"]
+    setting, values = vary["setting"], vary["values"]
+    configs = list(dict.fromkeys(config_of(n) for n in meta["configs"]))
+
+    def overall(cfg: str, v: str) -> dict:
+        return summary.get(run_label(cfg, f"{setting}={v}"), {}).get("overall") or {}
+
+    rows = [["run"] + [f"{setting}={v}" for v in values] + [f"{v} / {values[0]}" for v in values[1:]]]
+
+    def line(name: str, nums: list, unit: str) -> None:
+        ratios = [f"{x / nums[0]:.2f}x" if x and nums[0] else "-" for x in nums[1:]]
+        rows.append([name] + [_num(x, unit) for x in nums] + ratios)
+
+    line("plain tok/s", [next((overall(c, v)["plain_decode_tokens_per_s"] for c in configs if overall(c, v)), None)
+                         for v in values], "")
+    for c in configs:
+        line(f"{c} tok/s", [overall(c, v).get("decode_tokens_per_s") for v in values], "")
+        line(f"{c} speedup over its plain", [overall(c, v).get("speedup") for v in values], "x")
+        same = []
+        for v in values:
+            rs = [r for r in result["rows"] if r["config"] == c and r.get("vary") == f"{setting}={v}"]
+            same.append(f"{sum(bool(r.get('same_as_plain')) for r in rs)}/{len(rs)}")
+        rows.append([f"{c} same tokens as its plain"] + same + ["" for _ in values[1:]])
+    notes = [f"{setting}={v}: {note}" for v, note in vary.get("loaded", {}).items()]
+    if vary.get("copy_limit"):
+        notes.append("copy limit L = 33 T(1) / T(33): "
+                     + ", ".join(f"{v} {L:.2f}x" for v, L in vary["copy_limit"].items()))
+    for v, counts in vary.get("plain_vs_first", {}).items():
+        notes.append(f"plain runs at {setting}={v} against {values[0]}: "
+                     + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    title = (f"{setting}: {', '.join(values)}, each value's runs interleaved with the others' on the same "
+             f"{meta['prompts']} prompts (decode tok/s: medians)")
+    return title, rows, notes
+
+
+def vary_markdown(result: dict) -> list[str]:
+    """:func:`vary_table` as Markdown lines (none without --vary)."""
+    if not result["meta"].get("vary"):
+        return []
+    title, rows, notes = vary_table(result)
+    out = [f"## {title}", "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return out + [""] + [f"- {n}" for n in notes] + [""]
+
+
+def print_vary(result: dict, file: TextIO = sys.stdout) -> None:
+    """:func:`vary_table` as aligned plain text (nothing without --vary)."""
+    if not result["meta"].get("vary"):
+        return
+    title, rows, notes = vary_table(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"\n{title}", file=file)
+    for r in rows:
+        print("  " + r[0].ljust(widths[0]) + "".join(f"  {c:>{w}}" for c, w in zip(r[1:], widths[1:])), file=file)
+    for n in notes:
+        print(f"  {n}", file=file)
