@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from specdecode.bench import cpu_name, free_port, serve_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "examples" / "edit_function_prediction.py"
@@ -57,42 +57,10 @@ EDITS = [
 ]
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(options: list[str], port: int, log: Path) -> subprocess.Popen:
-    """Start ``specdecode serve --port PORT OPTIONS`` (output to ``log``) and return it once
-    /health answers; exits with its log if it stops or does not answer within 15 minutes."""
-    cmd = [sys.executable, "-m", "specdecode", "serve", "--port", str(port), *options]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            sys.exit("the server exited:\n" + log.read_text())
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            sys.exit("the server did not start:\n" + log.read_text())
-        time.sleep(0.5)
-
-
 def start_server(args, port: int, log: Path, draft: str | None) -> subprocess.Popen:
-    return serve(["--target", args.target, "--ctx-size", str(args.ctx_size)] + (["--draft", draft] if draft else []),
-                 port, log)
+    """``specdecode serve`` on the target (and ``--draft`` draft, if any) on ``port``, once it answers."""
+    return serve_process(["--target", args.target, "--ctx-size", str(args.ctx_size)]
+                         + (["--draft", draft] if draft else []), port, log)
 
 
 def _total(text: str, name: str) -> float:
@@ -154,7 +122,7 @@ def run_aider(args, port: int, fmt: str, speculate: bool, work: Path, edit: int)
             **server_work(before, after)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--aider", default=str(ROOT / ".aider-venv" / "bin" / "aider"))
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -165,7 +133,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024, help="the cap aider's requests get (default: %(default)s)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--keep", default=None, help="folder for the repositories and aider's logs (default: a temp one)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if not Path(args.aider).exists():
         sys.exit(f"aider not found at {args.aider}: python -m venv .aider-venv && .aider-venv/bin/pip install "
                  "aider-chat")

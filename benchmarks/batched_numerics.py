@@ -517,7 +517,7 @@ def report() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["measure", "speed", "report"])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -530,7 +530,11 @@ def main(argv=None) -> int:
     ap.add_argument("--long-steps", type=int, default=40, help="decode steps, long prompts")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8, help="short prompts measured (half code, half chat; 4-8)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if a.what == "report":
         (OUT_DIR / "tables.md").write_text(report())

@@ -18,16 +18,20 @@ text an editor would send, so that ``specdecode bench`` also runs it with the pr
 The files are the suite's other code prompts' originals; the edits differ from theirs, so a
 bench over several categories does not find one category's answers in another's history.
 
-    python benchmarks/editor_suite.py   # rewrites those categories in the suite file
+    python benchmarks/editor_suite.py --out bench-out/bench_suite.jsonl
+
+reads the package's suite, rewrites those categories and writes the whole suite to ``--out``
+(never into the package: a benchmark writes nothing under src/). To change the suite the
+package ships, review the file and copy it over ``src/specdecode/data/bench_suite.jsonl``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+from importlib import resources
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SUITE = ROOT / "src" / "specdecode" / "data" / "bench_suite.jsonl"
 FORMATS = Path(__file__).resolve().parent / "editor_formats"
 CATEGORIES = ("edit_whole", "edit_search_replace", "edit_udiff", "agent_tool_result")
 MAX_TOKENS = {"edit_whole": 448, "edit_search_replace": 256, "edit_udiff": 256, "agent_tool_result": 160}
@@ -136,13 +140,23 @@ def agent_entries(suite: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
-    lines = [line for line in SUITE.read_text().splitlines() if line.strip()]
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out") / "bench_suite.jsonl",
+                    help="where the rewritten suite goes (default: %(default)s)")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
+    lines = [line for line in suite.splitlines() if line.strip()]
     kept_lines = [line for line in lines if json.loads(line)["category"] not in CATEGORIES]  # kept as written
     kept = [json.loads(line) for line in kept_lines]
     new = edit_entries(kept) + agent_entries(kept)
-    SUITE.write_text("".join(line + "\n" for line in kept_lines + [json.dumps(r) for r in new]))
-    print(f"{SUITE}: {len(kept)} prompts kept, {len(new)} written in {', '.join(CATEGORIES)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(line + "\n" for line in kept_lines + [json.dumps(r) for r in new]))
+    print(f"{args.out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(CATEGORIES)}")
 
 
 if __name__ == "__main__":

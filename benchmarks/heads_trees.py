@@ -18,11 +18,11 @@ import json
 from collections import Counter
 
 from specdecode.api import Decoder
-from specdecode.bench.suite import load_prompts, select_prompts
+from specdecode.bench import load_prompts, select_prompts
 from specdecode.parity import parity_report
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", required=True)
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -33,7 +33,11 @@ def main() -> None:
     ap.add_argument("--categories", default="chat,code_editing")
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     prompts = select_prompts(load_prompts(None), args.categories.split(","), args.per_category)
     nodes = args.nodes or 2 * args.k
     out: dict = {}

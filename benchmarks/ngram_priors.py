@@ -1,16 +1,18 @@
-"""Measure the prompt-lookup acceptance priors of the controller (controller.MATCH_PRIORS).
+"""Measure the prompt-lookup acceptance priors of the controller
+(``specdecode.control.estimators.MATCH_PRIORS``) and how far lookup drafting could go.
 
-Decodes the built-in suite's held-out prompts (4-8 of each category; `specdecode bench
---per-category 3` runs prompts 1-3) plainly and greedily with the target, then at every
-position of each output looks the context up as NgramDrafter does and counts, per kind
-of match (match-length band, unique continuation or not), how often the first proposed
-token equals the target's next token and how often each further one does once the one
-before it did. Prints the table as it goes into MATCH_PRIORS, and a replay of the
-controller over the same outputs with the cached cost curve T(n): the speedup it would
-reach with no overheads, beside that of the bench's oracle (specdecode.bench.oracle), which
-knows each draft's outcome, at the controller's K cap (limits.AUTO_KMAX).
+Decodes the built-in suite's held-out prompts (4-8 of each category; ``specdecode bench
+--per-category 3`` runs prompts 1-3) plainly and greedily with the target, then at every
+position of each output looks the context up as NgramDrafter does and counts, per kind of
+match (match-length band, unique continuation or not), how often the first proposed token
+equals the target's next token and how often each further one does once the one before it
+did. Prints that table beside the priors the controller starts from, then per category the
+speedup of the bench's oracle (:func:`specdecode.bench.oracle_replay`: each step's best
+prompt-lookup draft and K, knowing the outcome, on the target's cached cost curve T(n), no
+overheads) at the controller's K cap (``limits.AUTO_KMAX``): the ceiling of prompt lookup on
+this machine. What the controller itself reaches is ``specdecode bench --config ngram:auto``.
 
-    python benchmarks/ngram_priors.py [--target NAME] [--out outputs.json]
+    python benchmarks/ngram_priors.py [--target NAME] [--outputs outputs.json]
 """
 
 from __future__ import annotations
@@ -21,20 +23,34 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from specdecode.api import Decoder
+from specdecode.assembly import registry
+from specdecode.bench import load_prompts, oracle_replay
+from specdecode.control.costcache import cached_forward_curve
+from specdecode.control.estimators import MATCH_BANDS, MATCH_PRIORS, match_band
+from specdecode.drafters import NgramDrafter
+from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
 
-def held_out(rows, per_category_skip=3):
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=registry.DEFAULT_TARGET)
+    ap.add_argument("--outputs", type=Path, default=None,
+                    help="save the plain outputs here, or reuse them when the file exists (JSON)")
+    return ap
+
+
+def held_out(prompts, per_category_skip: int = 3):
+    """The suite's prompts after the first ``per_category_skip`` of each category."""
     seen: dict[str, int] = defaultdict(int)
-    for r in rows:
-        seen[r.category] += 1
-        if seen[r.category] > per_category_skip:
-            yield r
+    for p in prompts:
+        seen[p.category] += 1
+        if seen[p.category] > per_category_skip:
+            yield p
 
 
-def acceptance_table(examples):
-    from specdecode.control.controller import MATCH_BANDS, match_band
-    from specdecode.drafters import NgramDrafter
-    from specdecode.limits import AUTO_KMAX
-
+def acceptance_table(examples: list[dict]) -> dict[tuple[int, bool], tuple[float, float, int]]:
+    """(band index, unique) -> (first-token acceptance, further-token acceptance, lookups)."""
     d = NgramDrafter()
     st = defaultdict(lambda: [0, 0, 0, 0])  # first tries, first accepted, further tries, further accepted
     for ex in examples:
@@ -54,79 +70,46 @@ def acceptance_table(examples):
             if n >= 1:
                 r[2] += min(n + 1, len(prop), len(out) - i) - 1
                 r[3] += n - 1
-    return {k: (v[1] / v[0], v[3] / max(v[2], 1), v[0]) for k, v in st.items()}, MATCH_BANDS
+    return {k: (v[1] / v[0], v[3] / max(v[2], 1), v[0]) for k, v in st.items()}
 
 
-def replay(examples, make_controller, T, kmax):
-    """Per category: plain time, time of a controller replayed over fixed greedy outputs
-    (each step costing T(k + 1), K <= kmax), and time of the oracle over prompt lookup with
-    K <= kmax (seconds)."""
-    from specdecode.bench.oracle import oracle_replay
-    from specdecode.drafters import NgramDrafter
-    from specdecode.sampling import Sampler, SamplingParams
-
-    per = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for ex in examples:
-        out, prompt = ex["output"], ex["prompt"]
-        ctl = make_controller()
-        ctl.start(prompt, Sampler(SamplingParams()))
-        i, t = 0, 0.0
-        while i < len(out):
-            d = ctl.propose(prompt + out[:i], max(0, min(kmax, len(out) - i - 1)))
-            k, n = len(d.token_ids), 0
-            while n < k and d.token_ids[n] == out[i + n]:
-                n += 1
-            ctl.observe(n)
-            t += T(k + 1)
-            i += n + 1
-        c = per[ex["category"]]
-        c[0] += len(out) * T(1)
-        c[1] += t
-        c[2] += oracle_replay(prompt, out, T, [NgramDrafter()], kmax=kmax).time_s
-    return per
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--out", type=Path, default=None, help="save (or reuse) the plain outputs here")
-    args = ap.parse_args()
-
-    from specdecode.assembly import registry
-    from specdecode.api import Decoder
-    from specdecode.control.controller import Source, SpeculationController
-    from specdecode.control.costcache import cached_forward_curve
-    from specdecode.drafters import NgramDrafter
-    from specdecode.bench import load_prompts
-    from specdecode.limits import AUTO_KMAX, COST_CURVE_NS
-
+def decode_held_out(args) -> tuple[list[dict], object]:
+    """The held-out prompts' greedy plain outputs (or --outputs' saved ones) and the target's T(n)."""
     with Decoder(target=args.target, draft="none", num_speculative_tokens=0, progress=False) as dec:
-        if args.out and args.out.exists():
-            examples = json.loads(args.out.read_text())
+        if args.outputs and args.outputs.exists():
+            examples = json.loads(args.outputs.read_text())
         else:
             examples = []
             for p in held_out(load_prompts(None)):
-                ids = dec.prompt_ids(p.prompt, p.messages)
-                r = dec.engine.generate(ids, max_tokens=p.max_tokens)
+                ids = dec.prompt_ids(p.prompt, p.messages, p.tools)
+                r = dec.engine.generate(ids, max_tokens=p.max_tokens, grammar=p.grammar)
                 examples.append({"id": p.id, "category": p.category, "prompt": ids, "output": r.token_ids})
                 print(f"{p.id}: {len(r.token_ids)} tokens", file=sys.stderr, flush=True)
-            if args.out:
-                args.out.write_text(json.dumps(examples))
-        T = cached_forward_curve(dec.target, COST_CURVE_NS, registry.cache_dir())
+            if args.outputs:
+                args.outputs.write_text(json.dumps(examples))
+        return examples, cached_forward_curve(dec.target, COST_CURVE_NS, registry.cache_dir())
 
-    table, bands = acceptance_table(examples)
-    print("band  unique  drafts  first  further")
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    examples, T = decode_held_out(args)
+    table = acceptance_table(examples)
+    print("band  unique  lookups  first  further  (prior: first  further)")
     for (b, u), (a1, a, n) in sorted(table.items()):
-        print(f"{bands[b]:>4}  {str(u):6} {n:7d}  {a1:5.2f}  {a:7.2f}")
-    kmax = AUTO_KMAX
-    per = replay(examples, lambda: SpeculationController([Source(NgramDrafter(), 2e-4)], T, kmax=kmax), T, kmax)
-    print(f"\nreplay with T(n), no overheads, K <= {kmax}: category  controller  oracle")
-    for cat, (plain, spec, oracle) in per.items():
-        print(f"  {cat:14} {plain / spec:5.2f}x  {plain / oracle:5.2f}x")
-    tot = [sum(v[i] for v in per.values()) for i in range(3)]
-    print(f"  {'overall':14} {tot[0] / tot[1]:5.2f}x  {tot[0] / tot[2]:5.2f}x")
-    return 0
+        p1, p = MATCH_PRIORS[u][b]
+        print(f"{MATCH_BANDS[b]:>4}  {str(u):6} {n:8d}  {a1:5.2f}  {a:7.2f}  ({p1:5.2f}  {p:7.2f})")
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    drafter = NgramDrafter()
+    for ex in examples:
+        r = oracle_replay(ex["prompt"], ex["output"], T, [drafter], kmax=AUTO_KMAX)
+        per[ex["category"]][0] += r.plain_s
+        per[ex["category"]][1] += r.time_s
+    print(f"\nthe oracle over prompt lookup, replayed with T(n), no overheads, K <= {AUTO_KMAX}: speedup")
+    for cat, (plain, oracle) in per.items():
+        print(f"  {cat:20} {plain / oracle:5.2f}x")
+    plain, oracle = (sum(v[i] for v in per.values()) for i in range(2))
+    print(f"  {'overall':20} {plain / oracle:5.2f}x")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -3,11 +3,11 @@
 ``specdecode bench`` replays each greedy output with the lookup oracle (every step's best
 lookup draft and K, knowing the outcome) on the cost curve measured after 64 tokens. On a CPU
 with llama.cpp's flash attention, a block of K + 1 rows grows dearer with the context
-(``benchmarks/flash_attention.py``), so for long prompts that oracle overstates what any choice
-of drafts could reach. This script measures T(n) after 64, 1,000 and 2,500 tokens, decodes
-each prompt plainly, and replays the outputs with the oracle twice: on the 64-token curve and
-on the curve measured nearest the middle of the prompt's generation (prompt tokens plus half
-its output). Lookup drafters are kept across prompts in suite order, as in the bench.
+(``python benchmarks/cost_curves.py --vary flash_attn=auto,off --contexts 64,1000,2500``),
+so for long prompts that oracle overstates what any choice of drafts could reach. This
+script measures T(n) after 64, 1,000 and 2,500 tokens, decodes each prompt plainly, and
+replays the outputs with the oracle twice: on the 64-token curve and on the curve measured
+nearest the middle of the prompt's generation (prompt tokens plus half its output). Lookup drafters are kept across prompts in suite order, as in the bench.
 
     python benchmarks/oracle_at_context.py --categories edit_whole,edit_search_replace
 """
@@ -16,30 +16,28 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 from specdecode.api import Decoder
 from specdecode.assembly import registry
-from specdecode.bench.oracle import lookup_drafters, oracle_replay, oracle_speedup
-from specdecode.bench.suite import load_prompts, select_prompts
+from specdecode.bench import cpu_name, load_prompts, lookup_drafters, oracle_replay, oracle_speedup, select_prompts
 from specdecode.control.measure import measure_forward_curve
 from specdecode.limits import MAX_NUM_SPECULATIVE_TOKENS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strict_cost import cpu_name  # noqa: E402
 
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 33)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=registry.DEFAULT_TARGET)
     ap.add_argument("--ctx-size", type=int, default=4096)
     ap.add_argument("--contexts", default="64,1000,2500")
     ap.add_argument("--categories", default="edit_whole,edit_search_replace")
     ap.add_argument("--per-category", type=int, default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     prompts = select_prompts(load_prompts(None), args.categories.split(","), args.per_category)
     with Decoder(target=args.target, draft="none", n_ctx=args.ctx_size, progress=False) as dec:

@@ -24,19 +24,28 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from aider_edit import SOURCE, cpu_name, free_port, serve  # noqa: E402
+from specdecode.bench import cpu_name, free_port, serve_process
 
-CODE = SOURCE.read_text().split("```python\n", 1)[1].rsplit("```", 1)[0]
-PROMPT = ("Rename the parameter `min_total` to `threshold` everywhere in this function. Change nothing else and "
-          "return the whole function in one code block.\n\n```python\n" + CODE + "```")
+SOURCE = Path(__file__).resolve().parent.parent / "examples" / "edit_function_prediction.py"
 
 
-def main() -> None:
+def edit_prompt() -> str:
+    """The request: rename a parameter of examples/edit_function_prediction.py's function and
+    return it whole (a copy-heavy answer)."""
+    code = SOURCE.read_text().split("```python\n", 1)[1].rsplit("```", 1)[0]
+    return ("Rename the parameter `min_total` to `threshold` everywhere in this function. Change nothing else and "
+            "return the whole function in one code block.\n\n```python\n" + code + "```")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/page.png")
     ap.add_argument("--max-tokens", type=int, default=400)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if not (chromium and driver_path):
@@ -48,7 +57,7 @@ def main() -> None:
 
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="page-picture-")) / "serve.log"
-    server = serve([], port, log)
+    server = serve_process([], port, log)
     url = f"http://127.0.0.1:{port}"
     try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -61,7 +70,7 @@ def main() -> None:
         browser = webdriver.Chrome(service=Service(driver_path), options=opts)
         try:
             wait = lambda cond, s=900: WebDriverWait(browser, s, poll_frequency=0.2).until(cond)  # noqa: E731
-            query = urllib.parse.urlencode({"prompt": PROMPT, "max_tokens": args.max_tokens})
+            query = urllib.parse.urlencode({"prompt": edit_prompt(), "max_tokens": args.max_tokens})
             browser.get(f"{url}/?{query}")  # a prompt in the address is sent on load
             wait(lambda d: d.find_element(By.ID, "answer").get_attribute("data-done") == "true")
             browser.find_element(By.ID, "compare").click()

@@ -22,11 +22,15 @@ DEFAULT_PROMPT = ("Explain how a hash table works: hashing, buckets, collisions 
                   "with a short Python example.")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     messages = [{"role": "user", "content": args.prompt}]
     with specdecode.Decoder(draft="auto", num_speculative_tokens="auto", progress=False) as dec:
         dec.generate(messages=messages, max_tokens=8, plain=True)  # warm-up

@@ -39,7 +39,7 @@ PROMPTS = [
 ]
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="registry name or HF folder")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="registry name or HF folder")
@@ -54,7 +54,11 @@ def main() -> int:
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="also run the torch draft scoring only ids < N plus the prompt's (FR-Spec); 0 to skip")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
 
