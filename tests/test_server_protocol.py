@@ -409,6 +409,9 @@ def test_response_format_becomes_a_grammar():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     g = parsed({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}).options.grammar
     assert g.kind == "json_schema" and json.loads(g.source) == schema and g.name == "response_format"
+    # As OpenAI's chat: name is required (issue 43), schema is not (none: any JSON value).
+    g = parsed({"type": "json_schema", "json_schema": {"name": "x"}}).options.grammar
+    assert g.kind == "json_schema" and json.loads(g.source) == {}
 
 
 @pytest.mark.parametrize("rf, param", [
@@ -417,6 +420,9 @@ def test_response_format_becomes_a_grammar():
     ({"type": "json_schema"}, "response_format"),
     ({"type": "json_schema", "json_schema": {"schema": []}}, "response_format.json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "x" * 65}}, "response_format.json_schema.name"),
     ("json", "response_format"),
 ])
 def test_bad_response_format(rf, param):

@@ -22,7 +22,7 @@ from specdecode.api import Decoder
 from specdecode.server import create_app
 from specdecode.server.apierror import APIError
 from specdecode.server.protocol import parse_request
-from specdecode.server.responses_api import ResponseStore, input_messages, parse_responses
+from specdecode.server.responses_api import ResponseStore, input_messages, parse_responses, rename_error
 from specdecode.server.toolcalls import HermesFormat
 
 from test_server import ServerThread
@@ -100,7 +100,7 @@ def refused(http: httpx.Client, body: dict, param: str, status: int = 400) -> st
 
 
 def test_input_items_become_the_chat_conversation():
-    messages, origin = input_messages([
+    messages, origin, calls = input_messages([
         {"role": "developer", "content": "Be brief."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
                                                         {"type": "input_text", "text": "in Paris?"}]},
@@ -121,7 +121,8 @@ def test_input_items_become_the_chat_conversation():
         {"role": "assistant", "content": "Sunny and rain."},
     ]
     assert origin == ["input[0]", "input[1]", "input[2]", "input[4]", "input[5]", "input[6]"]
-    assert input_messages("hi") == ([{"role": "user", "content": "hi"}], ["input"])
+    assert calls == [[], [], ["input[2]", "input[3]"], [], [], []]
+    assert input_messages("hi") == ([{"role": "user", "content": "hi"}], ["input"], [[]])
 
 
 def test_a_request_runs_as_the_chat_request_it_translates_to():
@@ -150,7 +151,15 @@ def test_a_request_runs_as_the_chat_request_it_translates_to():
     ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": ["hi", {"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "nope", "output": "x"}]},
-     "input[1].tool_call_id"),
+     "input[1].call_id"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[3].call_id"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format.schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "p", "schema": {}, "x": 1}}}, "text.format"),
     ({"input": []}, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
@@ -170,7 +179,24 @@ def test_refusals_name_the_responses_field(body, param):
     with pytest.raises(APIError) as e:
         parse_responses({"model": MODEL, **body}, MODEL, 512, HermesFormat(), ResponseStore())
     assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
-    assert "messages" not in e.value.message and "max_tokens" not in e.value.message, e.value.message
+    for chat_field in ("messages", "max_tokens", "tool_call_id", "tool_calls[", "response_format", "json_schema."):
+        assert chat_field not in e.value.message, e.value.message
+
+
+def test_a_model_without_tool_use_refuses_function_items_in_responses_words():
+    """Issue 43: the chat check's "tool messages" came out as "tool input" once renamed, and it
+    named input[1].tool_calls, a chat field."""
+    for i, kind in ((1, "function_call"), (2, "function_call_output")):
+        items = [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": "c", "output": "x"}]
+        with pytest.raises(APIError) as e:
+            parse_responses({"model": MODEL, "input": [items[0], *items[i:]]}, MODEL, 512, None, ResponseStore())
+        assert e.value.param == "input[1].type" and kind in e.value.message, e.value.message
+        assert "tool input" not in e.value.message and "cannot carry function calls or their outputs" in e.value.message
+    # The renaming itself leaves the words "tool messages" in a sentence as they are.
+    renamed = rename_error(APIError(400, "messages[1].role: cannot carry tool calls or tool messages",
+                                    param="messages[1].role"), ["input[0]", "input[3]"])
+    assert renamed.message == "input[3].role: cannot carry tool calls or tool messages" and renamed.param == "input[3].role"
 
 
 def test_the_store_is_bounded():

@@ -23,7 +23,7 @@ from ..drafters.kinds import request_fields
 from .extensions import parse_content, parse_speculative, wants_trace
 from .apierror import APIError, from_specdecode_error
 from .body import MAX_JSON_DEPTH, parse_json_body
-from .toolcalls import ToolCallFormat
+from .toolcalls import MAX_NAME_LEN, NAME_CHARS, ToolCallFormat
 from .tools import ToolRequest, parse_tools
 
 __all__ = ["APIError", "GenRequest", "MAX_JSON_DEPTH", "from_specdecode_error", "json_repr", "parse_json_body",
@@ -191,7 +191,8 @@ def parse_response_format(value: Any) -> Grammar | None:
     """OpenAI's response_format as a Grammar: {"type": "text"} (or absent) is None;
     {"type": "json_object"} is any JSON object; {"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}, "strict": ...}} is that schema, always enforced (strict or
-    not: the mask makes every output match). A schema llguidance cannot compile is found
+    not: the mask makes every output match). As OpenAI's, name is required and schema is not
+    (none: any JSON value). A schema llguidance cannot compile is found
     when the request runs (400 naming response_format). Raises APIError (400)."""
     if value is None:
         return None
@@ -208,6 +209,11 @@ def parse_response_format(value: Any) -> Grammar | None:
             raise APIError(400, "response_format.json_schema must be an object with name, schema (an object), "
                            f"optional strict (boolean) and description; got {json_repr(spec)}",
                            param="response_format.json_schema")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or not set(name) <= NAME_CHARS:
+            raise APIError(400, f"response_format.json_schema.name is required: the format's name, 1 to {MAX_NAME_LEN} "
+                           f"letters, digits, underscores or dashes (as OpenAI); got {json_repr(name)}",
+                           param="response_format.json_schema.name")
         return Grammar.json_schema(spec.get("schema", {}), name="response_format")
     raise APIError(400, f"response_format = {json_repr(value)} is not supported: expected {{\"type\": \"text\"}}, "
                    '{"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": '

@@ -55,8 +55,11 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat-field names in errors -> the Responses fields they came from.
 _RENAMES = ((re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
-            (re.compile(r"\bresponse_format\b"), "text.format"),
+            (re.compile(r"\bresponse_format(?:\.json_schema)?\b"), "text.format"),
             (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"))
+# A chat tool call's fields -> a function_call item's.
+_CALL_FIELDS = {".id": ".call_id", ".function.name": ".name", ".function.arguments": ".arguments", ".function": "",
+                ".type": ".type"}
 
 
 @dataclass
@@ -75,18 +78,30 @@ def _error(message: str, param: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def rename_error(e: APIError, origin: list[str] | None = None) -> APIError:
+def rename_error(e: APIError, origin: list[str] | None = None, calls: list[list[str]] | None = None) -> APIError:
     """The error with the chat fields it names (param and message) renamed to the Responses
-    fields they came from; origin[i]: the input item of chat message i (None: not from input)."""
+    fields they came from; origin[i]: the input item of chat message i (None: not from input);
+    calls[i][j]: the function_call item of message i's tool call j."""
+    def call(m: re.Match) -> str:
+        i, j = int(m.group(1)), int(m.group(2))
+        if calls is None or i >= len(calls) or j >= len(calls[i]):
+            return m.group(0)
+        return calls[i][j] + _CALL_FIELDS.get(m.group(3) or "", m.group(3) or "")
+
+    def message(m: re.Match) -> str:
+        i = int(m.group(1))
+        return origin[i] if origin is not None and i < len(origin) else "input"
+
     def rename(text: str | None) -> str | None:
         if text is None:
             return None
         for pattern, to in _RENAMES:
             text = pattern.sub(to, text)
-        if origin is not None:
-            text = re.sub(r"\bmessages\[(\d+)\]", lambda m: origin[int(m.group(1))] if int(m.group(1)) < len(origin)
-                          else "input", text)
-        return re.sub(r"\bmessages\b", "input", text)
+        text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\[(\d+)\]((?:\.function)?\.\w+)?", call, text)
+        text = re.sub(r"\bmessages\[(\d+)\]\.tool_call_id\b", lambda m: message(m) + ".call_id", text)
+        text = re.sub(r"\bmessages\[(\d+)\]", message, text)
+        # The field, not the word: "tool messages" in a sentence stays as it is.
+        return re.sub(r"(?<!tool )\bmessages\b", "input", text)
 
     return APIError(e.status, rename(e.message), type=e.type, param=rename(e.param), code=e.code)
 
@@ -108,16 +123,18 @@ def _text(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def input_messages(value: Any) -> tuple[list[dict], list[str]]:
-    """``input`` as chat messages and, for each, the input item it came from ("input[2]").
-    Consecutive function_call items join one assistant message (after the assistant text
-    right before them, if any). Raises APIError (400) naming the item and field."""
+def input_messages(value: Any) -> tuple[list[dict], list[str], list[list[str]]]:
+    """``input`` as chat messages, for each the input item it came from ("input[2]"), and for
+    each its tool calls' function_call items. Consecutive function_call items join one
+    assistant message (after the assistant text right before them, if any). Raises APIError
+    (400) naming the item and field."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}], ["input"]
+        return [{"role": "user", "content": value}], ["input"], [[]]
     if not isinstance(value, list) or not value:
         raise _error(f"input must be a string or a non-empty list of items, got {json_repr(value)}", "input")
     messages: list[dict] = []
     origin: list[str] = []
+    calls: list[list[str]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -130,6 +147,7 @@ def input_messages(value: Any) -> tuple[list[dict], list[str]]:
                              f"{', '.join(_ROLES)}", f"{where}.role")
             messages.append({"role": role, "content": _text(item.get("content"), where)})
             origin.append(where)
+            calls.append([])
         elif kind == "function_call":
             call = _function_call(item, where)
             last = messages[-1] if messages else None
@@ -138,6 +156,8 @@ def input_messages(value: Any) -> tuple[list[dict], list[str]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 origin.append(where)
+                calls.append([])
+            calls[-1].append(where)
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -145,10 +165,11 @@ def input_messages(value: Any) -> tuple[list[dict], list[str]]:
                              f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), where)})
             origin.append(where)
+            calls.append([])
         else:
             raise _error(f"{where}.type = {json_repr(kind)} is not supported: this server reads message, "
                          "function_call and function_call_output items", f"{where}.type")
-    return messages, origin
+    return messages, origin, calls
 
 
 def _function_call(item: dict, where: str) -> dict:
@@ -157,6 +178,16 @@ def _function_call(item: dict, where: str) -> dict:
             raise _error(f"{where}.{key} must be a{' non-empty' if key != 'arguments' else ''} string, got "
                          f"{json_repr(item.get(key))}", f"{where}.{key}")
     return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _check_no_calls(items: Any, model_name: str) -> None:
+    """A 400 naming the first function_call or function_call_output item, for a model whose
+    chat template shows no tool use (the chat check would name chat fields)."""
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if item.get("type") in ("function_call", "function_call_output"):
+            raise _error(f"input[{i}].type = {json_repr(item['type'])}: the model {json_repr(model_name)} has no known "
+                         "tool-call format in its chat template, so its conversations cannot carry function calls or "
+                         "their outputs", f"input[{i}].type")
 
 
 def _check_fields(body: dict) -> None:
@@ -203,6 +234,9 @@ def _response_format(text: Any) -> Any:
     fmt = text.get("format")
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         return fmt
+    if fmt.get("schema") is None:  # required here, as OpenAI's (chat's response_format may leave it out)
+        raise _error(f"text.format.schema is required for a json_schema format: the JSON schema (an object) the "
+                     f"output follows; got {json_repr(fmt)}", "text.format.schema")
     spec = {k: v for k, v in fmt.items() if k != "type"}
     return {"type": "json_schema", "json_schema": spec}
 
@@ -299,17 +333,21 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
                          f"{store.max_bytes // 2**20} MiB of their JSON), in memory, until it stops",
                          "previous_response_id")
         history = found
-    messages, origin = input_messages(body["input"])
-    conversation, origin = history + messages, ["history"] * len(history) + origin
+    messages, origin, calls = input_messages(body["input"])
+    if tool_format is None:
+        _check_no_calls(body["input"], model_name)
+    conversation = history + messages
+    origin = ["history"] * len(history) + origin
+    calls = [["history"] * len(m.get("tool_calls") or ()) for m in history] + calls
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _error(f"instructions must be a string, got {json_repr(instructions)}", "instructions")
     full = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    origin = (["instructions"] if instructions else []) + origin
+    origin, calls = (["instructions"] if instructions else []) + origin, ([[]] if instructions else []) + calls
     try:
         check_messages(full)
     except SpecDecodeError as e:
-        raise rename_error(APIError(400, str(e), param=e.param), origin) from None
+        raise rename_error(APIError(400, str(e), param=e.param), origin, calls) from None
     for name in ("store", "stream", "parallel_tool_calls"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise _error(f"{name} must be a boolean, got {json_repr(body[name])}", name)
@@ -331,7 +369,7 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
         req = parse_request({k: v for k, v in chat.items() if v is not None}, "chat", model_name, n_ctx, tool_format,
                             strict)
     except APIError as e:
-        raise rename_error(e, origin) from None
+        raise rename_error(e, origin, calls) from None
     echo = {name: body.get(name) for name in ("instructions", "max_output_tokens", "previous_response_id",
                                               "user", "safety_identifier", "prompt_cache_key")}
     echo.update(metadata=metadata or {}, temperature=req.options.sampling.temperature,
