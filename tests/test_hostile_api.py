@@ -117,6 +117,27 @@ def test_mistyped_inputs_to_a_loaded_decoder(smollm_decoder):
     assert d.generate("Hi", max_tokens=2).stats.completion_tokens == 2  # still serving
 
 
+def test_an_empty_prompt_is_named_as_it_was_given(smollm_decoder):
+    """Issue 43: smollm2 adds no start token, so an empty prompt gives no token; the error said
+    "prompt_ids is empty" to a caller who gave a prompt (or --prompt on the command line)."""
+    d = smollm_decoder
+    for call in (lambda: d.generate(""), lambda: d.generate(prompt="", stream=True), lambda: d.begin(prompt=""),
+                 lambda: d.prompt_ids("")):
+        with pytest.raises(SpecDecodeError) as e:
+            call()
+        assert e.value.param == "prompt" and str(e.value).startswith("prompt is empty"), str(e.value)
+        assert "prompt_ids" not in str(e.value)
+    with pytest.raises(SpecDecodeError) as e:
+        d.generate(prompt_ids=[])
+    assert e.value.param == "prompt_ids" and str(e.value).startswith("prompt_ids is empty")  # as it was given
+    assert d.generate("Hi", max_tokens=2).stats.completion_tokens == 2  # still serving
+    for args, stdin, option in ((["--prompt", ""], None, b"--prompt is empty"),
+                                (["--prompt-file", "-"], b"", b"--prompt-file standard input is empty")):
+        p = run_cli("generate", "--target", SMOLLM, "--draft", "none", *args, "--max-tokens", "2", stdin=stdin)
+        assert p.returncode == 1 and option in p.stderr and b"prompt_ids" not in p.stderr, p.stderr
+        assert b"Traceback" not in p.stderr and p.stderr.count(b"\n") == 1, p.stderr
+
+
 @pytest.fixture(scope="module")
 def smollm_decoder():
     import specdecode

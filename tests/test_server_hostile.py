@@ -169,6 +169,18 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(http, path, fields, param):
     still_serving(http)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_prompt_is_a_400_naming_prompt(http, stream):
+    """Issue 43: smollm2 adds no start token, so an empty prompt gives no token; the 400 named
+    prompt_ids, which no client sent."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 4, "stream": stream})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["message"].startswith("prompt is empty"), err
+    assert "prompt_ids" not in err["message"]
+    still_serving(http)
+
+
 def test_a_surrogate_in_a_field_name_or_the_model_is_a_400(http):
     r = raw_post(http, C, {"model": MODEL, "prompt": "hi", "\ud800": 1})
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text

@@ -128,6 +128,22 @@ def grammar_from_args(args: argparse.Namespace) -> Grammar | None:
     return None
 
 
+def _check_prompt_gives_tokens(dec, prompt: str | None, args: argparse.Namespace) -> None:
+    """An empty raw prompt (which gives no token where the model adds no start token) refused
+    naming the option that gave it."""
+    if prompt != "":
+        return
+    try:
+        dec.prompt_ids(prompt)
+    except SpecDecodeError as e:
+        if e.param != "prompt":
+            raise
+        option = "--prompt" if args.prompt is not None else \
+            f"--prompt-file {'standard input' if args.prompt_file == '-' else args.prompt_file}"
+        raise SpecDecodeError(f"{option} is empty, and the target {args.target} adds no start token to a prompt, so "
+                              "it gives no token to continue from: give some text", param=option) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .options import decoder_from_args
     from .output import GenerationResult
@@ -153,6 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     label = f"speculative (draft {args.draft}, K={args.num_speculative_tokens})"
 
     with decoder_from_args(args, progress=not args.quiet) as dec:
+        _check_prompt_gives_tokens(dec, prompt, args)
         if args.json or args.compare:
             if args.compare:
                 result, base, report = dec.compare(prompt, **gen_kwargs)

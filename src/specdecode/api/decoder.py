@@ -175,7 +175,8 @@ class Decoder:
         model's own chat template). Exactly one of the two must be given. tools: OpenAI tool
         objects the chat template presents to the model (messages only; checked by the caller,
         as the server's :mod:`specdecode.server.tools` does).
-        Raises SpecDecodeError naming the field at fault (see :func:`check_messages`)."""
+        Raises SpecDecodeError naming the field at fault (see :func:`check_messages`; an empty
+        prompt where the model adds no start token: param prompt)."""
         if (prompt is None) == (messages is None):
             raise SpecDecodeError("give exactly one of prompt or messages")
         if tools and messages is None:
@@ -197,7 +198,11 @@ class Decoder:
             return chat_prompt_ids(self.target, checked, tools)  # the request's texts as text
         if not isinstance(prompt, str):
             raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-        return self.target.tokenize(check_text(prompt, "prompt"), add_special=True, parse_special=True)
+        ids = self.target.tokenize(check_text(prompt, "prompt"), add_special=True, parse_special=True)
+        if not ids:  # "" where the model adds no start token: named as the caller gave it, not as prompt_ids
+            raise SpecDecodeError(f"prompt is empty: the target {self.target.name} adds no start token, so it gives "
+                                  "no token to continue from; give some text", param="prompt")
+        return ids
 
     def generate(self, prompt: str | None = None, *, stream: bool = False, **options) -> GenerationResult | Iterator[str]:
         """Generate from a prompt or chat messages (``messages=``); options as :meth:`stream`.
