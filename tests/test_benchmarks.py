@@ -97,7 +97,8 @@ def test_the_index_names_every_script_and_no_page_cites_a_gone_one():
     index = (BENCHMARKS / "README.md").read_text()
     for path in SCRIPTS + SHELL:
         assert f"`{path.name}`" in index or f"benchmarks/{path.name}" in index, f"README.md does not index {path.name}"
-    pages = [ROOT / "README.md", BENCHMARKS / "README.md", *(ROOT / "docs").glob("*.md"), *SCRIPTS, *SHELL]
+    pages = [ROOT / "README.md", BENCHMARKS / "README.md", *(ROOT / "docs").glob("*.md"), *SCRIPTS, *SHELL,
+             *(ROOT / "src" / "specdecode").rglob("*.py")]
     for page in pages:
         for name in CITED.findall(page.read_text()):
             assert (BENCHMARKS / name).exists(), f"{page.relative_to(ROOT)} cites benchmarks/{name}, which is gone"

@@ -84,9 +84,9 @@ def flash_attention() -> str:
     "off" makes verification much cheaper at long contexts: llama.cpp's CPU flash-attention
     kernel goes through the KV cache once per query row, while the plain path multiplies a
     block's rows by the cache together. Measured on an AMD EPYC Zen 4 (2 vCPU, default target
-    Q4_K_M, ``python benchmarks/flash_attention.py``): T(33) after 2,500 tokens 0.62-0.63 s
-    without it against 0.92-1.04 s with it, T(1) 43-44 ms against 47-48 ms; after 64 tokens
-    within noise. But without it no block of two or more rows has bitwise the logits of
+    Q4_K_M; ``python benchmarks/cost_curves.py --vary flash_attn=auto,off --contexts
+    64,1000,2500``): T(33) after 2,500 tokens 0.62-0.63 s without it against 0.92-1.04 s with
+    it, T(1) 43-44 ms against 47-48 ms; after 64 tokens within noise. But without it no block of two or more rows has bitwise the logits of
     one-token steps (the measured invariant block falls from 3 to 1 on the default target, from
     33 to 1 on smollm2), so strict mode verifies one token a forward and seeded sampling under
     speculation no longer gives plain decoding's text. Hence the default keeps it.
