@@ -380,7 +380,7 @@ BAD = [
     ("x", {"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role"),
     ("x", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("x", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages[0].content"),
+     400, "messages[0].content[0]"),
     ("x", {"model": MODEL, "prompt": "hi"}, 400, "prompt"),
     ("c", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("x", {"model": "gpt-4", "messages": CHAT}, 404, "model"),

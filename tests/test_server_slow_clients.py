@@ -28,7 +28,7 @@ from specdecode.server import create_app
 from specdecode.server.config import ServerOptions
 from specdecode.server.connection import http_protocol
 from specdecode.server.protocol import parse_request
-from specdecode.server.worker import EVENT_OVERHEAD_BYTES, Job
+from specdecode.server.jobs import EVENT_OVERHEAD_BYTES, Job
 
 from test_server import ServerThread, metrics, total
 from test_server_access import MODEL, ByteBackend

@@ -183,7 +183,8 @@ from .cli import add_serve_parser, cmd_serve
 from .config import ServerOptions
 from .metrics import Metrics
 from .protocol import APIError, GenRequest, from_specdecode_error, parse_request
-from .worker import Job, Worker
+from .jobs import Job
+from .worker import Worker
 
 __all__ = ["APIError", "GenRequest", "Job", "Metrics", "ServerOptions", "Worker", "add_serve_parser", "cmd_serve",
            "create_app", "from_specdecode_error", "parse_request"]

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..control.invariance import check_strict_allowed
 from ..errors import SpecDecodeError
-from .access import (AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin,
-                     require_json)
+from .access import AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin
+from .body import read_body
 from .config import ServerOptions
 from .metrics import Metrics
 from .page import UI_FILES, cost_view, info_view, ui_file
@@ -25,7 +25,8 @@ from .protocol import APIError, json_repr, parse_json_body, parse_request
 from .responses import full_response, stream
 from .responses_api import ResponseStore, ResponsesRequest, parse_responses, rename_error
 from .responses_events import ResponseBuilder, stream_events
-from .worker import Job, Worker
+from .jobs import Job
+from .worker import Worker
 
 if TYPE_CHECKING:
     from fastapi import FastAPI, Request
@@ -56,31 +57,6 @@ async def _next_event(job: Job, disconnect: asyncio.Task) -> tuple[str, Any]:
         return get.result()
     get.cancel()
     raise _Disconnected()
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes: a larger one is refused (413), from its
-    Content-Length before anything is read or, sent without one (chunked), once what has
-    arrived passes the limit; nothing past the limit is kept (the rest is read and discarded
-    before the answer, :class:`.access.DrainUnread`). A body not sent as JSON is refused (415)."""
-    def too_large(size: str) -> APIError:
-        return APIError(413, f"the request body has {size} bytes, more than this server reads ({limit} bytes, "
-                        "--max-body-bytes)", code="request_too_large")
-
-    require_json(request.headers.get("content-type"))
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large(length)
-    body, more = bytearray(), True
-    while more:
-        message = await request.receive()
-        if message["type"] != "http.request":
-            raise APIError(400, "the client disconnected before its request body ended")
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-        if len(body) > limit:
-            raise too_large(f"over {limit}")
-    return bytes(body)
 
 
 def _model_card(model_name: str, created: int, n_ctx: int) -> dict:
@@ -356,7 +332,7 @@ class _Routes:
         when prepared (400) or for another model (404), and 429 for a full queue."""
         arrival = time.perf_counter()
         try:
-            body = parse_json_body(await _read_body(request, self.options.max_body_bytes))
+            body = parse_json_body(await read_body(request, self.options.max_body_bytes))
             req = parse(body)
             prepared = await self.worker.preparer.prepare_async(req)
         except APIError as e:

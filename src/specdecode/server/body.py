@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .access import require_json
 from .apierror import APIError
 
 # How deep a request body's arrays and objects may nest: a real request nests a few levels
@@ -73,3 +74,28 @@ def _check_text(text: str, where: str, param: str | None) -> None:
         raise APIError(400, f"{where} contains a lone surrogate (\\u{ord(text[e.start]):04x} at character "
                        f"{e.start}), which is not valid Unicode text: send UTF-8, with every \\ud800-\\udbff "
                        "escape followed by its \\udc00-\\udfff pair", param=param) from None
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: a larger one is refused (413), from its
+    Content-Length before anything is read or, sent without one (chunked), once what has
+    arrived passes the limit; nothing past the limit is kept (the rest is read and discarded
+    before the answer, :class:`.access.DrainUnread`). A body not sent as JSON is refused (415)."""
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body has {size} bytes, more than this server reads ({limit} bytes, "
+                        "--max-body-bytes)", code="request_too_large")
+
+    require_json(request.headers.get("content-type"))
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(length)
+    body, more = bytearray(), True
+    while more:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise APIError(400, "the client disconnected before its request body ended")
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+        if len(body) > limit:
+            raise too_large(f"over {limit}")
+    return bytes(body)

@@ -1,5 +1,5 @@
 """The bodies the OpenAI-compatible endpoints answer: a whole response, or the chunks of a
-server-sent-event stream, built from what the worker posts (:class:`.worker.Job` events).
+server-sent-event stream, built from what the worker posts (:class:`.jobs.Job` events).
 
 With tools (:mod:`.tools`), each chat choice's text goes through its own tool-call parser
 (:mod:`.toolcalls`): the whole text at once for a full response, delta by delta for a
@@ -17,7 +17,7 @@ from .extensions import completion_details
 from .protocol import GenRequest
 from .toolcalls import finish_reason, parse_message
 from .tools import ToolRequest
-from .worker import Job
+from .jobs import Job
 
 
 def sse(obj: dict | str) -> str:

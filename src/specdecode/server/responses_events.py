@@ -1,7 +1,7 @@
 """What ``POST /v1/responses`` answers (:mod:`.responses_api` parses the request): the
 response object, whole, or the stream of Responses events that builds it
 (``response.created`` ... ``response.completed``), from what the worker posts
-(:class:`.worker.Job` events).
+(:class:`.jobs.Job` events).
 
 Output items: a ``message`` with one ``output_text`` part (present unless the output is only
 function calls), then one ``function_call`` item per tool call read out of the text (the same
@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .responses_api import ResponsesRequest
 from .toolcalls import parse_message
-from .worker import Job
+from .jobs import Job
 
 
 def _id(prefix: str) -> str:
