@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..control.invariance import check_strict_allowed
-from ..errors import SpecDecodeError
 from .access import AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin
 from .body import read_body
 from .config import ServerOptions
