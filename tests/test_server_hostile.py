@@ -236,7 +236,9 @@ def test_stream_usage_only_when_asked_and_once_on_a_last_empty_chunk(http, path,
     chunks = events[:-1]
     with_usage = [e for e in chunks if e.get("usage") is not None]
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1], chunks
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
+    # the same counts (how much of the prompt a slot's cache held depends on the requests before)
+    uncached = lambda u: {k: v for k, v in u.items() if k != "prompt_tokens_details"}  # noqa: E731
+    assert chunks[-1]["choices"] == [] and uncached(chunks[-1]["usage"]) == uncached(usage)
     assert all("usage" in e and e["usage"] is None for e in chunks[:-1])  # OpenAI: null on the others
     finals = [i for i, e in enumerate(chunks) if e["choices"] and e["choices"][0]["finish_reason"]]
     assert len(finals) == n and finals[-1] == len(chunks) - 2

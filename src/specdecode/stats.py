@@ -14,6 +14,8 @@ from typing import Iterable
 class Stats:
     """Counters and timings of one generation.
 
+    prompt_tokens, prompt_cached: the prompt's tokens, and how many of them a slot's cache
+        already held (a prefix reused, not evaluated again: an editor's next keystroke).
     drafted: drafted tokens sent to verification.
     accepted: drafted tokens accepted (and kept: tokens cut by a stop are not counted).
     target_forward_passes: target forward calls in the decode phase (prefill excluded).
@@ -41,6 +43,7 @@ class Stats:
     """
 
     prompt_tokens: int = 0
+    prompt_cached: int = 0
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -131,6 +134,7 @@ class Stats:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "prompt_cached": self.prompt_cached,
             "completion_tokens": self.completion_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,

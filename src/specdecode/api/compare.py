@@ -40,7 +40,8 @@ def compare(decoder: Any, prompt: str | None = None, **kwargs) -> tuple[Generati
     if report["load_changed"]:
         report["note"] = (f"the machine's load changed during the comparison: the two halves gave {h[0]}x and "
                           f"{h[1]}x; run it again on a quieter machine for a firm figure")
-    given = {k: v for k, v in kwargs.items() if k not in ("messages", "prompt_ids", "options", "prediction")}
+    given = {k: v for k, v in kwargs.items()
+             if k not in ("messages", "prompt_ids", "options", "prediction", "suffix", "extra")}
     sampling = GenerationOptions.from_kwargs(kwargs.get("options"), **given).sampling
     if not (sampling.greedy or sampling.keyed and sampling.seed is not None):
         report["parity"] = {"status": "not applicable: sampling without a seed, or under the rejection rule, "

@@ -14,7 +14,6 @@ from typing import Any, Iterator, Sequence
 
 from ..assembly import registry
 from ..backends.base import Backend, claim_backends, release_backends
-from ..backends.chat_prompt import chat_prompt_ids
 from ..control.calibration import Calibration
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
@@ -23,10 +22,11 @@ from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_
     check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
 from ..assembly.loading import load_backend, make_speculation
-from ..messages import check_messages, template_messages, text_parts
+from ..messages import text_parts
 from ..output import GenerationResult, TextDelta
 from ..request import GenerationOptions
 from .compare import compare
+from .prompts import check_codes, fim_ids, text_prompt_ids
 
 
 class Decoder:
@@ -170,39 +170,33 @@ class Decoder:
         self.close()
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                   tools: Sequence[dict] | None = None) -> list[int]:
+                   tools: Sequence[dict] | None = None, *, suffix: str | None = None,
+                   extra: Sequence | None = None) -> list[int]:
         """Tokenize a raw prompt (BOS added if the model wants it) or chat messages (the
         model's own chat template). Exactly one of the two must be given. tools: OpenAI tool
         objects the chat template presents to the model (messages only; checked by the caller,
-        as the server's :mod:`specdecode.server.tools` does).
+        as the server's :mod:`specdecode.server.tools` does). suffix / extra: a
+        fill-in-the-middle prompt (:func:`specdecode.backends.fim.fim_prompt_ids`): the prompt is
+        the code before the cursor, suffix the code after it, extra other files as (filename,
+        text) pairs; the output is the middle.
         Raises SpecDecodeError naming the field at fault (see :func:`check_messages`; an empty
-        prompt where the model adds no start token: param prompt)."""
+        prompt where the model adds no start token: param prompt; suffix where the model has no
+        fill-in-the-middle tokens; extra[i] for a malformed file)."""
         if (prompt is None) == (messages is None):
             raise SpecDecodeError("give exactly one of prompt or messages")
         if tools and messages is None:
             raise SpecDecodeError("tools are presented by the chat template: give messages, not a prompt",
                                   param="tools")
         with self._tokenizer_lock():
-            return self._prompt_ids(prompt, messages, tools)
+            self.check_open()
+            if suffix is not None or extra is not None:
+                return fim_ids(self.target, prompt, messages, suffix, extra)
+            return text_prompt_ids(self.target, prompt, messages, tools)
 
     def _tokenizer_lock(self) -> Any:
         """What a tokenization holds: nothing where the target's tokenizer is thread-safe (a
         server prepares requests on another thread while generations step), else the lock."""
         return contextlib.nullcontext() if self.target.thread_safe_tokenizer else self._lock
-
-    def _prompt_ids(self, prompt: str | None, messages: Sequence[dict] | None,
-                    tools: Sequence[dict] | None = None) -> list[int]:
-        self.check_open()
-        if messages is not None:
-            checked = template_messages(check_messages(list(messages) if isinstance(messages, tuple) else messages))
-            return chat_prompt_ids(self.target, checked, tools)  # the request's texts as text
-        if not isinstance(prompt, str):
-            raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-        ids = self.target.tokenize(check_text(prompt, "prompt"), add_special=True, parse_special=True)
-        if not ids:  # "" where the model adds no start token: named as the caller gave it, not as prompt_ids
-            raise SpecDecodeError(f"prompt is empty: the target {self.target.name} adds no start token, so it gives "
-                                  "no token to continue from; give some text", param="prompt")
-        return ids
 
     def generate(self, prompt: str | None = None, *, stream: bool = False, **options) -> GenerationResult | Iterator[str]:
         """Generate from a prompt or chat messages (``messages=``); options as :meth:`stream`.
@@ -324,26 +318,13 @@ class Decoder:
             raise SpecDecodeError("generate_ids needs prompt_ids: the ids to start from", param="prompt_ids")
         return self.generate(prompt_ids=prompt_ids, **options)
 
-    def _check_codes(self, prompt, messages, fields: dict) -> None:
-        """A target without text takes ids only: refuse each text-only option by name."""
-        if getattr(self.target, "has_text", True):
-            return
-        given = {"prompt": prompt is not None, "messages": messages is not None,
-                 "stop": bool(fields.get("stop")), "grammar": fields.get("grammar") is not None,
-                 "prediction": isinstance(fields.get("prediction"), str) or isinstance(fields.get("prediction"), list)
-                 and any(isinstance(t, (str, dict)) for t in fields["prediction"])}
-        opts = fields.get("options")
-        if isinstance(opts, GenerationOptions):
-            given["stop"] = given["stop"] or bool(opts.stop)
-            given["grammar"] = given["grammar"] or opts.grammar is not None
-        for name, is_given in given.items():
-            if is_given:
-                raise SpecDecodeError(f"{name} is a text option, and target {self.target.name} is a model over codes "
-                                      f"(no tokenizer): give token ids (generate_ids, prompt_ids=) and leave {name} out",
-                                      param=name)
-
     def _request(self, prompt, messages, prompt_ids, options, fields) -> tuple[list[int], GenerationOptions]:
-        self._check_codes(prompt, messages, {**fields, "options": options})
+        check_codes(self.target, prompt, messages, {**fields, "options": options})
+        fields = dict(fields)
+        suffix, extra = fields.pop("suffix", None), fields.pop("extra", None)  # the prompt's, not options
+        if (suffix is not None or extra is not None) and prompt_ids is not None:
+            raise SpecDecodeError("suffix and extra make a fill-in-the-middle prompt from a prompt: give prompt, "
+                                  "not prompt_ids", param="suffix")
         if getattr(self.target, "has_text", True):  # request-fed inputs given as text: tokenized here
             def as_ids(name: str, v):
                 text = isinstance(v, str) or isinstance(v, list) and not all(isinstance(t, int) for t in v)
@@ -367,7 +348,7 @@ class Decoder:
         if prompt is None and messages is None and not getattr(self.target, "has_text", True):
             raise SpecDecodeError(f"give prompt_ids: target {self.target.name} is a model over codes",
                                   param="prompt_ids")
-        return self.prompt_ids(prompt, messages), options
+        return self.prompt_ids(prompt, messages, suffix=suffix, extra=extra), options
 
     def compare(self, prompt: str | None = None, **kwargs) -> tuple[GenerationResult, GenerationResult, dict]:
         """Run speculatively and plainly on the same input; returns (speculative, plain,

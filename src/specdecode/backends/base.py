@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection, NamedTuple, Protocol, Sequence, ru
 import numpy as np
 
 from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
+from .fim import FimTokens
 
 
 def common_prefix_len(cached: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
@@ -217,6 +218,7 @@ class BackendBase:
     invariant_block: int | None = None
     kv_shared = False
     chat_template: str | None = None  # a backend whose model has one overrides this
+    fim_tokens: FimTokens | None = None  # the model's fill-in-the-middle tokens (:mod:`.fim`), where it has them
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len

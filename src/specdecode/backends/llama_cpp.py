@@ -19,6 +19,7 @@ from ..limits import MAX_THREADS, MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward
 from .llama_heads import numpy_heads
 from .llama_tree import forward_tree, keep_rows
+from .llama_vocab import control_token_ids, read_eog, read_fim_tokens
 from .llama_buffers import load_model
 from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error
 
@@ -115,8 +116,8 @@ class LlamaCppBackend(BackendBase):
 
         self._embeddings = False  # whether the context outputs embeddings (llama_set_embeddings)
         self._n_embd = int(self._lib.llama_model_n_embd(self._model))
-        eog = {t for t in range(self._n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
-        self._eog = frozenset(eog)
+        self.fim_tokens = read_fim_tokens(self._lib, self._vocab, self._n_vocab)
+        self._eog = read_eog(self._lib, self._vocab, self._n_vocab, self.fim_tokens)
         self._piece_cache: dict[int, bytes] = {}
         self._special_texts: frozenset[str] | None = None
 
@@ -192,10 +193,8 @@ class LlamaCppBackend(BackendBase):
         with parse_special; user-defined tokens it reads as tokens either way), read once."""
         if self._special_texts is None:
             self._require_open()
-            lib, vocab = self._lib, self._vocab
-            parsed_only_special = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
-            texts = (self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab)
-                     if lib.llama_vocab_get_attr(vocab, t) & parsed_only_special)
+            texts = (self.token_text(t).decode("utf-8", "replace")
+                     for t in control_token_ids(self._lib, self._vocab, self.n_vocab))
             self._special_texts = frozenset(t for t in texts if t)
         return self._special_texts
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import DTYPES
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
+from .fim import FimTokens
 from .torch_setup import gguf_dequantize_config, import_torch, prefix_static_cache, resolve_device
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -57,7 +58,8 @@ class TorchBackend(BackendBase):
         self._kv_len = 0
         self._ones = torch.ones(1, n_ctx, dtype=torch.long, device=self.device)
         self._n_vocab = int(model.get_output_embeddings().weight.shape[0])
-        self._eog = self._find_eog()
+        self.fim_tokens = FimTokens.from_texts(self._token_id) if tokenizer is not None else None
+        self._eog = self._find_eog() | (self.fim_tokens.end_ids if self.fim_tokens else frozenset())
         self._byte_decoder = self._make_byte_decoder()
         self._special_ids = self._find_special_ids()
         self._piece_cache: dict[int, bytes] = {}
@@ -113,11 +115,15 @@ class TorchBackend(BackendBase):
         if tok is not None:
             if tok.eos_token_id is not None:
                 ids.add(int(tok.eos_token_id))
-            for text in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
-                tid = tok.convert_tokens_to_ids(text)
-                if isinstance(tid, int) and tok.convert_ids_to_tokens(tid) == text:
-                    ids.add(tid)
+            ids.update(t for text in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+                       if (t := self._token_id(text)) is not None)
         return frozenset(i for i in ids if 0 <= i < self._n_vocab)
+
+    def _token_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry whose text is exactly ``text``, None without one."""
+        tid = self.tokenizer.convert_tokens_to_ids(text)
+        ok = isinstance(tid, int) and 0 <= tid < self._n_vocab and self.tokenizer.convert_ids_to_tokens(tid) == text
+        return tid if ok else None
 
     def _find_special_ids(self) -> frozenset[int]:
         """Control tokens, which render as no text (as llama.cpp renders them)."""

@@ -140,7 +140,7 @@ class SpeculativeEngine:
         out.stats.num_speculative_tokens, out.stats.max_tree_nodes = K, gen.tree_nodes
         out.stats.strict = gen.invariant and options.batch_invariant == "on"
         gen.drafter.start(prompt_ids, sampler)
-        self._prefill(where, gen.committed, gen.drafter)
+        out.stats.prompt_cached = self._prefill(where, gen.committed, gen.drafter)
         if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free
             gen.drafter.configure(choice.drafting)
         where.gen = gen
@@ -288,10 +288,11 @@ class SpeculativeEngine:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.target.n_ctx}: "
                 f"it must be shorter than the context to leave room for at least one new token", param="prompt")
 
-    def _prefill(self, slot: Slot, committed: list[int], drafter: Drafter) -> None:
+    def _prefill(self, slot: Slot, committed: list[int], drafter: Drafter) -> int:
         """Cache committed[:-1] in the slot's sequence (see the KV invariant), reusing the
         longest cached prefix; a drafter that reads hidden states gets the last position's in
-        the prefill's outcome (where the backend gives it), for the first step's draft."""
+        the prefill's outcome (where the backend gives it), for the first step's draft.
+        Returns the tokens reused (not evaluated again)."""
         keep = slot.reusable(committed)
         slot.forget()  # until the forward succeeds
         self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
@@ -303,6 +304,7 @@ class SpeculativeEngine:
         elif n > 0:
             self.target.forward(committed[keep:-1], logits_for=[], seq=slot.seq)
         slot.tokens, slot.cached_len = committed, len(committed) - 1
+        return keep
 
     def forget_prefix(self) -> None:
         """Make the next generation prefill its whole prompt (no reuse of the cached prefix),

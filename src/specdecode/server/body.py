@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from typing import Any, Callable
 
 from .access import require_json
+from ..limits import is_int
+from ..messages import json_repr
 from .apierror import APIError
 
 # How deep a request body's arrays and objects may nest: a real request nests a few levels
@@ -99,3 +102,55 @@ async def read_body(request: Any, limit: int) -> bytes:
         if len(body) > limit:
             raise too_large(f"over {limit}")
     return bytes(body)
+
+
+def _is_finite_number(x: Any) -> bool:
+    """An int or float that converts to a finite float (JSON allows integers of any length:
+    1 followed by 400 zeros is beyond float's range, and math.isfinite raises on it)."""
+    if is_int(x):
+        try:
+            return math.isfinite(float(x))
+        except OverflowError:
+            return False
+    return isinstance(x, float) and math.isfinite(x)
+
+
+class BodyFields:
+    """Typed access to a request body's fields; every failure is a 400 naming the field.
+
+    A field whose value is null counts as absent (None). prefix: prepended to field
+    names in errors, for nested objects (e.g. "stream_options.").
+    """
+
+    def __init__(self, body: dict, prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix
+
+    def _typed(self, name: str, ok: Callable[[Any], bool], kind: str) -> Any:
+        """The field's value (None when absent or null) after ``ok(value)`` holds; else a
+        400 saying it must be ``kind``."""
+        v = self.body.get(name)
+        if v is not None and not ok(v):
+            full = self.prefix + name
+            raise APIError(400, f"{full} must be {kind}, got {json_repr(v)}", param=full)
+        return v
+
+    def integer(self, name: str, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
+        v = self._typed(name, is_int, "an integer")
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            name = self.prefix + name
+            lo_s = f"{lo} <= " if lo is not None else ""
+            hi_s = f" <= {hi}" if hi is not None else ""
+            raise APIError(400, f"{name} = {json_repr(v)} is out of range: expected {lo_s}{name}{hi_s}{why}",
+                           param=name)
+        return v
+
+    def number(self, name: str) -> float | None:
+        v = self._typed(name, _is_finite_number, "a number")
+        return None if v is None else float(v)
+
+    def boolean(self, name: str) -> bool | None:
+        return self._typed(name, lambda x: isinstance(x, bool), "a boolean")
+
+    def string(self, name: str) -> str | None:
+        return self._typed(name, lambda x: isinstance(x, str), "a string")

@@ -14,6 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from ..backends.fim import FimInput
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from .apierror import APIError, from_specdecode_error
@@ -94,7 +95,9 @@ class Preparer:
                            "token)", param="prompt" if req.kind == "completion" else "messages",
                            code="context_length_exceeded")
         try:
-            ids = self.decoder.prompt_ids(req.prompt, req.messages, req.tools.tools if req.tools else None)
+            ids = self.decoder.prompt_ids(**{"prompt": req.prompt, "messages": req.messages,
+                                             "tools": req.tools.tools if req.tools else None,
+                                             **fim_fields(req.fim, self.decoder.target)})
             max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
             inputs = {name: self._input_ids(name, text) for name, text in req.inputs.items()}
             if req.options.grammar is not None:
@@ -118,8 +121,23 @@ class Preparer:
         return ids
 
 
+def fim_fields(fim: FimInput | None, target: Any) -> dict:
+    """:meth:`Decoder.prompt_ids`' prompt, suffix and extra for a request's fill-in-the-middle
+    input: none for a plain prompt; the prefix alone for an empty suffix with no files on a
+    model without FIM tokens (a cursor at the end of the file: a plain completion, which such a
+    model can give)."""
+    if fim is None:
+        return {}
+    if not fim.suffix and not fim.extra and getattr(target, "fim_tokens", None) is None:
+        return {"prompt": fim.prefix}
+    return {"prompt": fim.prefix, "suffix": fim.suffix, "extra": fim.extra}
+
+
 def _text_bytes(req: GenRequest) -> int:
-    """The UTF-8 bytes of a request's prompt, or of its messages' text."""
+    """The UTF-8 bytes of a request's prompt (with a suffix and files where it has them), or of
+    its messages' text."""
+    if req.fim is not None:
+        return sum(len(t.encode()) for t in (req.fim.prefix, req.fim.suffix, *(t for f in req.fim.extra for t in f)))
     if req.prompt is not None:
         return len(req.prompt.encode())
     parts = [m.get("content") for m in req.messages or ()]

@@ -9,20 +9,20 @@ in the package docstring (:mod:`specdecode.server`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
+from ..backends.fim import FimInput
 from ..errors import SpecDecodeError
 from ..grammar import Grammar
-from ..limits import MAX_N, check_logprobs, is_int
+from ..limits import MAX_N, check_logprobs
 from ..messages import check_messages, json_repr
 from ..request import GenerationOptions
 from ..sampling import SamplingParams
 from ..drafters.kinds import request_fields
 from .extensions import parse_content, parse_speculative, wants_trace
 from .apierror import APIError, from_specdecode_error
-from .body import MAX_JSON_DEPTH, parse_json_body
+from .body import MAX_JSON_DEPTH, BodyFields, parse_json_body
 from .toolcalls import MAX_NAME_LEN, NAME_CHARS, ToolCallFormat
 from .tools import ToolRequest, parse_tools
 
@@ -43,7 +43,7 @@ _COMMON_FIELDS = frozenset({
     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stream",
     "stream_options", "logprobs", "n", "user", "response_format", "speculative",
 })  # and the request fields that feed a drafter kind (kinds.request_fields(): prediction, ...)
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 # Standard fields accepted only at the value that asks for nothing beyond what is served.
 _HARMLESS_DEFAULTS: dict[str, Any] = {
@@ -65,7 +65,9 @@ class GenRequest:
     once the prompt is tokenized; :meth:`choice_options` gives a choice's complete options.
     n: choices, 1..MAX_N, each its own sequence. tools: the tools the chat template
     presents and the output is read for (:mod:`.tools`), None without. inputs: the text of
-    each request field that feeds a drafter kind (``prediction``, :mod:`.extensions`).
+    each request field that feeds a drafter kind (``prediction``, :mod:`.extensions`). fim:
+    a fill-in-the-middle prompt (``suffix``, ``/infill``, Ollama's ``suffix``), whose prefix is
+    ``prompt``; None for a plain one.
     """
 
     kind: str
@@ -77,8 +79,10 @@ class GenRequest:
     include_usage: bool = False
     n: int = 1
     inputs: dict = field(default_factory=dict)
+    fim: FimInput | None = None
     tools: ToolRequest | None = None
     trace: bool = False  # speculative.trace: streamed chunks carry speculation_trace (:func:`.extensions.trace_of`)
+    fit_context: bool = False  # max_tokens is a bound, cut to the room the prompt leaves (Ollama's num_predict)
 
     @property
     def logprobs(self) -> int | None:
@@ -96,58 +100,6 @@ class GenRequest:
             sampling = replace(sampling, seed=(seed + i) % 2**64)
         return replace(self.options, max_tokens=max_tokens, sampling=sampling, inputs=inputs or self.options.inputs,
                        trace=self.trace and self.stream)
-
-
-def _is_finite_number(x: Any) -> bool:
-    """An int or float that converts to a finite float (JSON allows integers of any length:
-    1 followed by 400 zeros is beyond float's range, and math.isfinite raises on it)."""
-    if is_int(x):
-        try:
-            return math.isfinite(float(x))
-        except OverflowError:
-            return False
-    return isinstance(x, float) and math.isfinite(x)
-
-
-class _Body:
-    """Typed access to a request body's fields; every failure is a 400 naming the field.
-
-    A field whose value is null counts as absent (None). prefix: prepended to field
-    names in errors, for nested objects (e.g. "stream_options.").
-    """
-
-    def __init__(self, body: dict, prefix: str = "") -> None:
-        self.body = body
-        self.prefix = prefix
-
-    def _typed(self, name: str, ok: Callable[[Any], bool], kind: str) -> Any:
-        """The field's value (None when absent or null) after ``ok(value)`` holds; else a
-        400 saying it must be ``kind``."""
-        v = self.body.get(name)
-        if v is not None and not ok(v):
-            full = self.prefix + name
-            raise APIError(400, f"{full} must be {kind}, got {json_repr(v)}", param=full)
-        return v
-
-    def integer(self, name: str, lo: int | None = None, hi: int | None = None, why: str = "") -> int | None:
-        v = self._typed(name, is_int, "an integer")
-        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
-            name = self.prefix + name
-            lo_s = f"{lo} <= " if lo is not None else ""
-            hi_s = f" <= {hi}" if hi is not None else ""
-            raise APIError(400, f"{name} = {json_repr(v)} is out of range: expected {lo_s}{name}{hi_s}{why}",
-                           param=name)
-        return v
-
-    def number(self, name: str) -> float | None:
-        v = self._typed(name, _is_finite_number, "a number")
-        return None if v is None else float(v)
-
-    def boolean(self, name: str) -> bool | None:
-        return self._typed(name, lambda x: isinstance(x, bool), "a boolean")
-
-    def string(self, name: str) -> str | None:
-        return self._typed(name, lambda x: isinstance(x, str), "a string")
 
 
 def _check_fields(body: dict, allowed: frozenset[str]) -> None:
@@ -237,7 +189,7 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
     _check_fields(body, (_COMPLETION_FIELDS if kind == "completion" else _CHAT_FIELDS) | set(request_fields()))
-    b = _Body(body)
+    b = BodyFields(body)
     _check_model(b, model_name)
     prompt, messages = _parse_prompt(body, kind)
     for i, m in enumerate(messages or () if tool_format is None else ()):  # a template that cannot show tool use
@@ -256,6 +208,8 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
     if tools is not None:
         grammar = tools.grammar()
     b.string("user")
+    suffix = b.string("suffix")  # completions only (_check_fields): the code after the cursor
+    fim = FimInput(prompt, suffix) if suffix is not None else None
     try:
         inputs = {f: text for f in request_fields() if (text := parse_content(body.get(f), f)) is not None}
         trace = wants_trace(body.get("speculative"))
@@ -264,10 +218,11 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
     except SpecDecodeError as e:
         raise from_specdecode_error(e) from None
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens, options=options,
-                      stream=stream, include_usage=include_usage, n=n, tools=tools, inputs=inputs, trace=trace)
+                      stream=stream, include_usage=include_usage, n=n, tools=tools, inputs=inputs, trace=trace,
+                      fim=fim)
 
 
-def _check_model(b: _Body, model_name: str) -> None:
+def _check_model(b: BodyFields, model_name: str) -> None:
     """model is required and must be the served one (404, code model_not_found, otherwise)."""
     model = b.string("model")
     if model is None:
@@ -291,7 +246,7 @@ def _parse_prompt(body: dict, kind: str) -> tuple[str | None, list[dict] | None]
     return None, _parse_messages(body["messages"])
 
 
-def _parse_max_tokens(b: _Body, n: int, n_ctx: int) -> int | None:
+def _parse_max_tokens(b: BodyFields, n: int, n_ctx: int) -> int | None:
     """max_tokens or max_completion_tokens (which must agree when both are given), within
     the context size and with n * max_tokens within it too; None when absent."""
     why = " (the context size)"
@@ -309,7 +264,7 @@ def _parse_max_tokens(b: _Body, n: int, n_ctx: int) -> int | None:
     return max_tokens
 
 
-def _parse_sampling(b: _Body, body: dict) -> SamplingParams:
+def _parse_sampling(b: BodyFields, body: dict) -> SamplingParams:
     """The sampling fields (temperature OpenAI's default when absent); ranges beyond
     temperature's are SamplingParams' own."""
     temperature = b.number("temperature")
@@ -339,7 +294,7 @@ def _parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _parse_stream(b: _Body, body: dict) -> tuple[bool, bool]:
+def _parse_stream(b: BodyFields, body: dict) -> tuple[bool, bool]:
     """(stream, stream_options.include_usage); stream_options only with stream true."""
     stream = bool(b.boolean("stream"))
     options = body.get("stream_options")
@@ -350,10 +305,10 @@ def _parse_stream(b: _Body, body: dict) -> tuple[bool, bool]:
     if not isinstance(options, dict) or any(k != "include_usage" for k in options):
         raise APIError(400, f"stream_options = {json_repr(options)} is not supported: only "
                        '{"include_usage": true|false} is', param="stream_options")
-    return stream, bool(_Body(options, "stream_options.").boolean("include_usage"))
+    return stream, bool(BodyFields(options, "stream_options.").boolean("include_usage"))
 
 
-def _parse_logprobs(b: _Body, kind: str) -> int | None:
+def _parse_logprobs(b: BodyFields, kind: str) -> int | None:
     """Completions: logprobs, an integer. Chat: logprobs, a boolean, with top_logprobs
     (which needs logprobs true). None when not asked for."""
     if kind == "completion":
@@ -372,7 +327,8 @@ def resolve_max_tokens(req: GenRequest, prompt_len: int, n_ctx: int) -> int:
     completion, the rest of the context for chat (either capped by the room left, and by
     n_ctx // n so that n * max_tokens stays within the context size).
     Raises APIError (400, code context_length_exceeded) when the prompt leaves no room,
-    or when max_tokens does not fit after it (param "max_tokens").
+    or when max_tokens does not fit after it (param "max_tokens"; with req.fit_context max_tokens
+    is a bound, and the room left is generated).
     """
     room = n_ctx - prompt_len
     if room < 1:
@@ -382,6 +338,8 @@ def resolve_max_tokens(req: GenRequest, prompt_len: int, n_ctx: int) -> int:
     if req.max_tokens is None:
         default = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if req.kind == "completion" else room
         return max(1, min(default, n_ctx // req.n))
+    if req.max_tokens > room and req.fit_context:
+        return room
     if req.max_tokens > room:
         raise APIError(400, f"the context holds {n_ctx} tokens, but {prompt_len + req.max_tokens} were asked "
                        f"for ({prompt_len} in the prompt, max_tokens = {req.max_tokens}): lower max_tokens to at "

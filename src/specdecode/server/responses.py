@@ -28,10 +28,12 @@ def sse(obj: dict | str) -> str:
 
 def _usage(results: list) -> dict:
     """The request's usage: the prompt once (every choice reads the same one, as OpenAI
-    counts it), completion tokens summed over the choices."""
+    counts it; its cached tokens the first choice's), completion tokens summed over the choices."""
     prompt = results[0].stats.prompt_tokens
     completion = sum(r.stats.completion_tokens for r in results)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             # the prompt's tokens a slot's cache already held (OpenAI's field): not evaluated again
+             "prompt_tokens_details": {"cached_tokens": results[0].stats.prompt_cached}}
     details = completion_details(results)  # with a prediction: its accepted and rejected tokens
     return {**usage, "completion_tokens_details": details} if details else usage
 

@@ -1,0 +1,149 @@
+"""Fill-in-the-middle prompts from a model's own tokens: the code between a prefix and a suffix,
+with other files of the repository as context, as editors ask for it (llama.vim, llama.vscode,
+Continue, Zed).
+
+A code model trained for it has FIM tokens (Qwen2.5-Coder: ``<|fim_prefix|>``, ``<|fim_suffix|>``,
+``<|fim_middle|>``; ``<|fim_pad|>``, and ``<|repo_name|>`` / ``<|file_sep|>`` for repository
+context). llama.cpp reads them from the GGUF (``llama_vocab_fim_pre`` ...); a transformers model
+declares them as added tokens whose texts are the same ones llama.cpp matches
+(:data:`FIM_TOKEN_TEXTS`). The prompt is llama.cpp's server layout (``format_infill`` in
+tools/server/utils.hpp, ggml-org/llama.cpp), so a model answers here as it does there:
+
+    [fim_rep "myproject\\n"] ([fim_sep filename "\\n"] text)* [fim_sep "filename\\n"]
+    [BOS where the model adds one] fim_pre prefix fim_suf suffix fim_mid
+
+Without fim_sep, each extra file follows a "--- snippet ---" line instead. The middle
+ends at an end-of-generation token; fim_pad, fim_rep and fim_sep count as such on both backends
+(llama.cpp marks them so), as the model's way of saying the middle has met the suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from ..errors import SpecDecodeError
+
+# The texts llama.cpp recognises for each FIM token (src/llama-vocab.cpp, "find FIM tokens"):
+# Qwen2.5-Coder, DeepSeek-Coder, CodeLlama, StarCoder, CodeGemma, GLM and others.
+FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<fim_prefix>", "<|fim_begin|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<fim_suffix>", "<|fim_hole|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<fim_middle>", "<|fim_end|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<PAD>", "<fim_pad>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>", "<fim-sep>", "<SEP>", "<filename>"),
+}
+# What llama.cpp's server writes where it has no file or repository name.
+REPO_NAME = "myproject"
+CURRENT_FILE = "filename"
+DEFAULT_EXTRA_FILE = "tmp"
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A model's fill-in-the-middle token ids: pre, suf, mid always; pad, rep (repository name),
+    sep (file separator) where it has them (None otherwise)."""
+
+    pre: int
+    suf: int
+    mid: int
+    pad: int | None = None
+    rep: int | None = None
+    sep: int | None = None
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The FIM tokens that end a middle (pad, rep, sep): end-of-generation ids."""
+        return frozenset(t for t in (self.pad, self.rep, self.sep) if t is not None)
+
+    @classmethod
+    def from_lookup(cls, find: Callable[[str], int | None]) -> "FimTokens | None":
+        """The tokens found by ``find(role)`` ("pre", "suf", ... to an id or None); None
+        unless pre, suf and mid are all found."""
+        found = {role: find(role) for role in FIM_TOKEN_TEXTS}
+        if any(found[role] is None for role in ("pre", "suf", "mid")):
+            return None
+        return cls(**found)
+
+    @classmethod
+    def from_texts(cls, token_id: Callable[[str], int | None]) -> "FimTokens | None":
+        """The tokens whose texts llama.cpp matches (:data:`FIM_TOKEN_TEXTS`), found by
+        ``token_id(text)`` (the id whose entry is exactly that text, or None)."""
+        def find(role: str) -> int | None:
+            return next((t for text in FIM_TOKEN_TEXTS[role] if (t := token_id(text)) is not None), None)
+        return cls.from_lookup(find)
+
+
+class Tokenizing(Protocol):
+    """What a FIM prompt needs of a backend (:class:`.base.Backend` has it)."""
+
+    name: str
+    fim_tokens: FimTokens | None
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class FimInput:
+    """A fill-in-the-middle request: the text before the cursor (prefix), after it (suffix), and
+    other files as context (extra: (filename, text) pairs, in the order given)."""
+
+    prefix: str
+    suffix: str = ""
+    extra: tuple[tuple[str, str], ...] = ()
+
+
+def check_extra(extra, param: str = "extra") -> tuple[tuple[str, str], ...]:
+    """extra as (filename, text) string pairs; also takes llama.cpp's ``[{"filename", "text"}]``.
+    Raises SpecDecodeError naming ``param[i]`` for anything else."""
+    if extra is None:
+        return ()
+    if not isinstance(extra, (list, tuple)):
+        raise SpecDecodeError(f"{param} must be a list of (filename, text) pairs, got {type(extra).__name__}",
+                              param=param)
+    pairs = []
+    for i, item in enumerate(extra):
+        if isinstance(item, dict):
+            item = (item.get("filename", DEFAULT_EXTRA_FILE), item.get("text"))
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(s, str) for s in item)):
+            raise SpecDecodeError(f"{param}[{i}] must be a (filename, text) pair of strings, got {item!r:.80}",
+                                  param=f"{param}[{i}]")
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
+
+
+def require_fim_tokens(backend: Tokenizing, param: str = "suffix") -> FimTokens:
+    """The backend's FIM tokens; SpecDecodeError (param) naming the model where it has none."""
+    tokens = getattr(backend, "fim_tokens", None)
+    if tokens is None:
+        raise SpecDecodeError(f"the model {backend.name} has no fill-in-the-middle tokens (a prefix, a suffix and a "
+                              "middle token, such as Qwen2.5-Coder's <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>): "
+                              f"it cannot complete between a prefix and a suffix; leave {param} out or serve a code "
+                              "model trained for it", param=param)
+    return tokens
+
+
+def fim_prompt_ids(backend: Tokenizing, fim: FimInput, param: str = "suffix") -> list[int]:
+    """The FIM prompt's token ids [L] in llama.cpp's server layout (module docstring): every text
+    tokenized as text (no special parsing, no BOS), the FIM tokens as ids. Raises SpecDecodeError
+    (param) where the model has no FIM tokens."""
+    t = require_fim_tokens(backend, param)
+
+    def text(s: str) -> list[int]:
+        return backend.tokenize(s, add_special=False, parse_special=False) if s else []
+
+    ids: list[int] = []
+    if t.rep is not None:
+        ids += [t.rep, *text(REPO_NAME + "\n")]
+    for filename, body in fim.extra:
+        ids += [t.sep, *text(filename + "\n")] if t.sep is not None else text(SNIPPET_SEPARATOR)
+        ids += text(body)
+    if t.sep is not None:
+        ids += [t.sep, *text(CURRENT_FILE + "\n")]
+    bos = backend.tokenize("", add_special=True, parse_special=False)  # [BOS] where the model adds one
+    return ids + bos + [t.pre, *text(fim.prefix), t.suf, *text(fim.suffix), t.mid]

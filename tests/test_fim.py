@@ -1,0 +1,179 @@
+"""Fill-in-the-middle prompts from the model's own tokens (:mod:`specdecode.backends.fim`): read on
+both backends, laid out as llama.cpp's server lays them out, lossless under speculation, refused by
+name where the model has none; ``suffix`` on ``/v1/completions`` through the openai SDK; an
+editor's next keystroke reuses the cached prefix and says so."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from specdecode.api import Decoder
+from specdecode.backends.fim import FIM_TOKEN_TEXTS, FimInput, FimTokens, check_extra, fim_prompt_ids
+from specdecode.errors import SpecDecodeError
+from specdecode.server import create_app
+
+from test_server import ServerThread
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+PREFIX = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+SUFFIX = "\n    return a\n\n\nprint(fibonacci(10))\n"
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    dec = Decoder(target=QWEN, draft="ngram", n_ctx=2048, n_threads=2, progress=False)
+    yield dec
+    dec.close()
+
+
+def text_ids(backend, s: str) -> list[int]:
+    return backend.tokenize(s, add_special=False, parse_special=False)
+
+
+def test_qwen_fim_tokens_are_read_from_the_gguf_and_end_the_middle(qwen):
+    t = qwen.target.fim_tokens
+    names = {role: qwen.target.token_text(getattr(t, role)).decode() for role in ("pre", "suf", "mid", "pad", "rep",
+                                                                                   "sep")}
+    assert names == {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_middle|>", "pad": "<|fim_pad|>",
+                     "rep": "<|repo_name|>", "sep": "<|file_sep|>"}
+    assert {t.pad, t.rep, t.sep} <= qwen.target.eog_ids
+
+
+def test_the_prompt_is_llama_cpps_repo_level_layout(qwen):
+    b, t = qwen.target, qwen.target.fim_tokens
+    extra = (("utils.py", "def add(a, b):\n    return a + b\n"), ("main.py", "print(add(1, 2))\n"))
+    ids = fim_prompt_ids(b, FimInput(PREFIX, SUFFIX, extra))
+    want = [t.rep, *text_ids(b, "myproject\n"),
+            t.sep, *text_ids(b, "utils.py\n"), *text_ids(b, extra[0][1]),
+            t.sep, *text_ids(b, "main.py\n"), *text_ids(b, extra[1][1]),
+            t.sep, *text_ids(b, "filename\n"),
+            t.pre, *text_ids(b, PREFIX), t.suf, *text_ids(b, SUFFIX), t.mid]
+    assert ids == want
+    # The Decoder's prompt is the same, and a marker's text in the code stays text.
+    assert qwen.prompt_ids(PREFIX, suffix=SUFFIX, extra=list(extra)) == want
+    forged = qwen.prompt_ids("x = '<|fim_middle|>'\n", suffix="")
+    assert forged.count(t.mid) == 1 and forged[-1] == t.mid
+
+
+class _Vocab:
+    """A backend whose vocabulary is a word list (one token per word, split on spaces)."""
+
+    name = "toy"
+
+    def __init__(self, words, bos=None):
+        self.words = list(words)
+        self.bos = bos
+
+    def tokenize(self, text, add_special=True, parse_special=False):
+        ids = [self.words.index(w) for w in text.split(" ") if w]
+        return ([self.bos] if add_special and self.bos is not None else []) + ids
+
+
+def test_without_a_file_separator_files_are_snippets_and_bos_goes_before_the_prefix():
+    words = ["<s>", "P", "S", "M", "a", "b", "\n\n---", "snippet", "---\n\n", "f", "x"]
+    toy = _Vocab(words, bos=0)
+    toy.fim_tokens = FimTokens(pre=1, suf=2, mid=3)
+    ids = fim_prompt_ids(toy, FimInput("a", "b", (("f.py", "x"),)))
+    # "\n\n--- snippet ---\n\n" splits on its spaces into the toy's three words
+    assert ids == [6, 7, 8, 10, 0, 1, 4, 2, 5, 3]
+
+
+def test_fim_tokens_by_text_need_prefix_suffix_and_middle():
+    starcoder = {"<fim_prefix>": 1, "<fim_middle>": 2, "<fim_suffix>": 3, "<fim_pad>": 4, "<filename>": 5}
+    t = FimTokens.from_texts(starcoder.get)
+    assert (t.pre, t.suf, t.mid, t.pad, t.rep, t.sep) == (1, 3, 2, 4, None, 5)
+    assert t.end_ids == {4, 5}
+    assert FimTokens.from_texts({"<fim_prefix>": 1, "<fim_suffix>": 3}.get) is None  # no middle: no FIM
+    assert all(texts for texts in FIM_TOKEN_TEXTS.values())
+
+
+def test_torch_backend_reads_fim_tokens_from_its_tokenizer():
+    torch = pytest.importorskip("torch")
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from specdecode.backends.torch_backend import TorchBackend
+
+    specials = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                "<|repo_name|>", "<|file_sep|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x):\n    return x\n"] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                              additional_special_tokens=specials[1:])
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    backend = TorchBackend(transformers.Qwen2ForCausalLM(config).eval(), hf, n_ctx=128, name="tiny-coder")
+    t = backend.fim_tokens
+    assert [hf.convert_ids_to_tokens(i) for i in (t.pre, t.suf, t.mid, t.pad, t.rep, t.sep)] == \
+        ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    assert {t.pad, t.rep, t.sep} <= backend.eog_ids
+    ids = fim_prompt_ids(backend, FimInput("def f(x):\n", "    return x\n"))
+    assert ids[-1] == t.mid and ids.count(t.pre) == ids.count(t.suf) == 1 and ids[0] == t.rep
+
+
+def test_a_model_without_fim_tokens_is_refused_by_name(smollm):
+    assert smollm.fim_tokens is None
+    with pytest.raises(SpecDecodeError) as e:
+        fim_prompt_ids(smollm, FimInput("def f(", ")"))
+    assert e.value.param == "suffix" and smollm.name in str(e.value) and "fill-in-the-middle" in str(e.value)
+
+
+@pytest.mark.parametrize("extra,param", [("x.py", "extra"), ([("x.py",)], "extra[0]"), ([{"filename": "a"}], "extra[0]"),
+                                         ([("a", "b"), ("c", 3)], "extra[1]")])
+def test_malformed_files_are_named(extra, param):
+    with pytest.raises(SpecDecodeError) as e:
+        check_extra(extra)
+    assert e.value.param == param
+
+
+def test_fim_is_lossless_under_speculation_and_the_next_keystroke_reuses_the_cache(qwen):
+    spec, plain, report = qwen.compare(PREFIX, suffix=SUFFIX, max_tokens=24)
+    assert report["parity"]["status"] in ("exact", "near-tie"), report
+    assert spec.stats.prompt_tokens == len(qwen.prompt_ids(PREFIX, suffix=SUFFIX))
+    # The editor sends the file again, one line longer (suffix unchanged): only the tokens after
+    # the common prefix are evaluated again.
+    first = qwen.generate(PREFIX, suffix=SUFFIX, max_tokens=4)
+    again = qwen.generate(PREFIX + "    for _ in range(n):\n", suffix=SUFFIX, max_tokens=4)
+    common = 0
+    a, b = qwen.prompt_ids(PREFIX, suffix=SUFFIX), qwen.prompt_ids(PREFIX + "    for _ in range(n):\n", suffix=SUFFIX)
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    assert first.stats.prompt_tokens == len(a) and again.stats.prompt_tokens == len(b)
+    assert again.stats.prompt_cached == common > 0
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen):
+    with ServerThread(create_app(qwen, max_queue=4)) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_openai_sdk_suffix_gives_the_middle_as_the_decoder_does(qwen, qwen_server):
+    want = qwen.generate(PREFIX, suffix=SUFFIX, max_tokens=16, plain=True).text
+    r = qwen_server.completions.create(model=QWEN, prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0)
+    assert r.choices[0].text == want
+    assert r.model_extra["speculation"]["prompt_tokens"] == len(qwen.prompt_ids(PREFIX, suffix=SUFFIX))
+    pieces = qwen_server.completions.create(model=QWEN, prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0,
+                                            stream=True, extra_body={"speculative": {"draft": "ngram"}})
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == want
+    # The second request held the first's prompt in a slot's cache: all but its last token.
+    again = qwen_server.completions.create(model=QWEN, prompt=PREFIX, suffix=SUFFIX, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_a_400_naming_both(smollm):
+    dec = Decoder(target=smollm, draft="none", progress=False)
+    with ServerThread(create_app(dec, max_queue=2)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=dec.target_name, prompt="def f(", suffix="):\n    pass\n", max_tokens=4)
+        err = e.value.body
+        assert err["param"] == "suffix" and smollm.name in err["message"], err
+        # An empty suffix (the cursor at the end of the file) is a plain completion there.
+        r = client.completions.create(model=dec.target_name, prompt="def f(", suffix="", max_tokens=2, temperature=0)
+        assert r.choices[0].text == dec.generate("def f(", max_tokens=2).text
+    dec.close()
