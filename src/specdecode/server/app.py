@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from ..control.invariance import check_strict_allowed
 from .access import AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin
 from .body import read_body
+from . import infill
 from .config import ServerOptions
 from .metrics import Metrics
 from .page import UI_FILES, cost_view, info_view, ui_file
@@ -188,6 +189,7 @@ class _Routes:
         app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_route("/v1/responses", self.responses, methods=["POST"])
         app.add_route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"])
+        app.add_route("/infill", self.infill, methods=["POST"])
         app.add_route("/v1/models", self.list_models, methods=["GET"])
         app.add_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
         app.add_route("/health", self.health, methods=["GET"])
@@ -248,6 +250,10 @@ class _Routes:
             return JSONResponse(full_response(kind, self.model_name, choices, self.speculation, req.tools))
         return _sse_response_class()(stream(kind, self.model_name, req, job, event, self.speculation),
                                      on_close=lambda: self.worker.cancel(job))
+
+    async def infill(self, request: Request) -> Response:
+        """llama.cpp's ``POST /infill`` (:mod:`.infill`)."""
+        return await infill.serve(self, request, _sse_response_class())
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (:mod:`.responses_api`): the request translated to chat, run

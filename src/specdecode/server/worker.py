@@ -38,6 +38,12 @@ class _Running:
     gen: Any = None  # the engine's Generation of this choice
     results: list = field(default_factory=list)  # (GenerationResult, logprobs object or None) per finished choice
     first: float | None = None  # when the job's first step came back
+    watch: Any = None  # the current choice's own stop rule (a request's ``watch``), or None
+
+    @property
+    def stopped(self) -> bool:
+        """The choice's watch has ended it (before the engine would)."""
+        return self.watch is not None and self.watch.stopped
 
 
 class Worker:
@@ -226,6 +232,10 @@ class Worker:
     def _begin_choice(self, r: _Running) -> None:
         p = r.prepared
         r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs))
+        # A request kind's own stop rule (an /infill request's, :class:`.infill.InfillGenRequest`),
+        # started once the prompt is read: llama.cpp times generation from there.
+        watch = getattr(r.job.req, "watch", None)
+        r.watch = watch(self.decoder.target.token_bytes) if watch is not None else None
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
         self._release(r)
@@ -249,7 +259,7 @@ class Worker:
     def _step(self) -> None:
         """One batched step of every running generation; post their deltas; finish the
         choices that are done."""
-        running = [r for r in self._active if r.gen is not None and not r.gen.done]
+        running = [r for r in self._active if r.gen is not None and not r.gen.done and not r.stopped]
         if running:
             deltas = self.decoder.step([r.gen for r in running])
             now = time.perf_counter()
@@ -257,17 +267,17 @@ class Worker:
                 if r.first is None:
                     r.first = now
                 self._post_delta(r, delta)
-        for r in [r for r in self._active if r.gen is not None and r.gen.done]:
+        for r in [r for r in self._active if r.gen is not None and (r.gen.done or r.stopped)]:
             self._guarded(r, self._finish_choice)
 
     def _post_delta(self, r: _Running, delta: Any) -> None:
-        if r.job.req.stream and (delta or delta.token_ids):
+        text = str(delta) if r.watch is None else r.watch.feed(delta)  # a watch sees every delta, streamed or not
+        if r.job.req.stream and (text or delta.token_ids):
             # The logprobs of the tokens this delta completes (a TextDelta's).
             lp = r.logprobs.format(delta.logprobs or []) if r.logprobs is not None else None
             trace = None
             if r.job.req.trace:
                 trace = trace_of(delta, (r.gen.drafter.explain() or None) if r.gen is not None else None)
-            text = str(delta)
             r.job.post("delta", (r.index, text, lp, trace), event_size(text, lp, trace))
 
     def _finish_choice(self, r: _Running) -> None:
@@ -277,6 +287,8 @@ class Worker:
         *tail, result = self.decoder.end(gen)
         for delta in tail:
             self._post_delta(r, delta)
+        if r.watch is not None:
+            result = r.watch.finish(result)
         req = r.job.req
         # A stream has sent every logprob with its delta; a full response carries them all.
         lp = None if r.logprobs is None or req.stream else r.logprobs.format(result.logprobs or [])
