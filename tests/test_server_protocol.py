@@ -477,3 +477,21 @@ def test_server_options_from_key_value_strings():
         with pytest.raises(SpecDecodeError) as e:
             ServerOptions.from_strings(bad)
         assert e.value.param == param
+
+
+def test_a_requests_options_are_checked_once_per_choice(smollm, monkeypatch):
+    """Issue 44: the options are made (and checked) by the parse, then once per choice with its
+    max_tokens, seed and inputs; the Decoder and the engine take them as they are."""
+    from specdecode.api import Decoder
+
+    made = []
+    check = GenerationOptions.__post_init__
+    monkeypatch.setattr(GenerationOptions, "__post_init__", lambda self: (made.append(1), check(self))[1])
+    req = parse_request({"model": "m", "prompt": "def f(", "max_tokens": 2, "n": 2, "seed": 5}, "completion", "m", 64)
+    assert len(made) == 1
+    choices = [req.choice_options(i, 2) for i in range(req.n)]
+    assert len(made) == 3 and choices[1].sampling.seed == 6
+    with Decoder(target=smollm, draft="ngram", progress=False) as dec:
+        made.clear()
+        dec.generate(prompt_ids=dec.prompt_ids("def f("), options=choices[0])
+        assert made == []

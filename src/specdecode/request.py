@@ -151,6 +151,8 @@ class GenerationOptions:
         """Options from keyword arguments: the fields above, and the fields of
         :class:`SamplingParams` (temperature, top_p, seed, ...) directly. base: options to
         start from. Raises SpecDecodeError naming an unknown keyword and the known ones."""
+        if base is not None and not kwargs:
+            return base  # checked when it was made: not again on its way to the engine
         own = {f.name for f in fields(cls)}
         sampling_names = set(SamplingParams.__dataclass_fields__)
         unknown = sorted(set(kwargs) - own - sampling_names)
