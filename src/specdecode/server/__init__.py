@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: ``specdecode serve``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics (Prometheus text format).
+GET /health, GET /metrics (Prometheus text format); Ollama's API under /api/ (chat,
+generate, tags, show, ps, version: :mod:`.ollama`).
 
 Who may call: with an API key (``--api-key KEY`` or the environment variable
 SPECDECODE_API_KEY, which keeps the key out of the process list; the option wins), every
@@ -173,8 +174,9 @@ one checked object), :mod:`.apierror` (:class:`APIError`, the error answer), :mo
 and the usage details they add), :mod:`.toolcalls` (tool-call formats: their
 parser and grammar), :mod:`.metrics` (Prometheus), :mod:`.worker` (the generation
 thread), :mod:`.responses` (response bodies and stream chunks), :mod:`.app` (the FastAPI
-routes), :mod:`.cli` (the ``serve`` subcommand), :mod:`.ray_serve` (``specdecode serve
---replicas``: replicas on Ray Serve). Importing this package does not
+routes), :mod:`.ollama` (Ollama's API: :mod:`.ollama_protocol` its requests,
+:mod:`.ollama_models` what it says of the model), :mod:`.cli` (the ``serve``
+subcommand), :mod:`.ray_serve` (``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
 import FastAPI, uvicorn or prometheus_client.
 """
 

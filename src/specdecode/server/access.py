@@ -21,7 +21,8 @@ fixed by checking Host and Origin). So, as local servers do:
   preflight, gets 415.
 
 A refused request gets 403 with an OpenAI-style error naming the header (``param`` =
-``Host`` or ``Origin``), before its body is read.
+``Host`` or ``Origin``; under ``/api/``, Ollama's API, its ``{"error": message}``), before
+its body is read.
 """
 
 from __future__ import annotations
@@ -45,21 +46,25 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MAX_DRAIN_BYTES = 1 << 30
 LOOPBACK_NAMES = ("localhost",)
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
+# Where errors are answered in Ollama's shape: its API's paths.
+OLLAMA_PATHS = "/api/"
 
 
-def error_response(e: APIError) -> JSONResponse:
+def error_response(e: APIError, path: str = "") -> JSONResponse:
     """e as a JSON response with its status (a 429 also says when to retry, in seconds; a
-    401 names the scheme expected)."""
+    401 names the scheme expected): OpenAI's error body, or for a request to ``path`` under
+    ``/api/`` (Ollama's API, :mod:`.ollama`) Ollama's, ``{"error": message}``."""
     from fastapi.responses import JSONResponse
 
+    plain = path.startswith(OLLAMA_PATHS)
     headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     body = e.body()
     try:
-        return JSONResponse(body, status_code=e.status, headers=headers)
+        return JSONResponse({"error": e.message} if plain else body, status_code=e.status, headers=headers)
     except UnicodeEncodeError:  # a message quoting text that is no Unicode (a lone surrogate): escaped
         error = {k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
                  for k, v in body["error"].items()}
-        return JSONResponse({"error": error}, status_code=e.status, headers=headers)
+        return JSONResponse({"error": error["message"] if plain else error}, status_code=e.status, headers=headers)
 
 
 async def drain(scope: dict, receive: Callable) -> None:
@@ -255,7 +260,7 @@ class AccessGuard:
                                      type="permission_error", param=name, code=f"{name.lower()}_not_allowed")
             if error is not None:
                 self._on_reject()
-                await error_response(error)(scope, receive, send)
+                await error_response(error, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -280,7 +285,7 @@ class APIKeyGuard:
             error = self._check(dict(scope["headers"]).get(b"authorization"))
             if error is not None:
                 self._on_reject()
-                await error_response(error)(scope, receive, send)
+                await error_response(error, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -20,6 +20,7 @@ from .body import read_body
 from . import infill
 from .config import ServerOptions
 from .metrics import Metrics
+from .ollama import OllamaRoutes
 from .page import UI_FILES, cost_view, info_view, ui_file
 from .protocol import APIError, json_repr, parse_json_body, parse_request
 from .responses import full_response, stream
@@ -121,28 +122,29 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI-style error body: APIError as it is, Starlette's HTTP errors
-    (404 for no route, 405, ...), validation errors as 400, anything else as 500."""
+    """Every error as an OpenAI-style error body (Ollama's under /api/): APIError as it is,
+    Starlette's HTTP errors (404 for no route, 405, ...), validation errors as 400, anything else as 500."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         detail = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(APIError(exc.status_code, detail, type=kind))
+        return error_response(APIError(exc.status_code, detail, type=kind), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(APIError(400, f"invalid request: {exc.errors()}"))
+        return error_response(APIError(400, f"invalid request: {exc.errors()}"), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return error_response(error, request.url.path)
 
 
 @functools.cache
@@ -196,6 +198,7 @@ class _Routes:
         app.add_route("/metrics", self.prometheus_metrics, methods=["GET"])
         app.add_route("/v1/specdecode/info", self.info, methods=["GET"])
         app.add_route("/v1/specdecode/costs", self.costs, methods=["GET"])
+        OllamaRoutes(self).add_to(app)  # /api/...: Ollama's API (server/ollama.py)
         if self.options.ui:
             for path in UI_FILES:
                 app.add_route(path, self.page, methods=["GET"])
