@@ -177,3 +177,17 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400_naming_both(smollm):
         r = client.completions.create(model=dec.target_name, prompt="def f(", suffix="", max_tokens=2, temperature=0)
         assert r.choices[0].text == dec.generate("def f(", max_tokens=2).text
     dec.close()
+
+
+def test_auto_never_drafts_with_the_target_itself(qwen, smollm):
+    """Issue 46, item 7: the 0.5B as the target with --draft auto loaded the 0.5B as its own draft
+    model ("costs 35.45 of a target step")."""
+    from specdecode.assembly.loading import is_default_draft, make_controller
+
+    assert is_default_draft(qwen.target) and not is_default_draft(smollm)
+    controller = make_controller("auto", qwen.target, kmax=4, n_ctx=512, progress=False)
+    try:
+        drafted_by = [s.drafter for s in controller.sources]
+        assert not any(d.draft_backends() for d in drafted_by), [type(d).__name__ for d in drafted_by]
+    finally:
+        controller.close()

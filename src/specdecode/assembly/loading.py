@@ -116,6 +116,17 @@ def default_draft_serves(target: Backend) -> bool:
     return fingerprint_serves(target, registry.get_spec(registry.DEFAULT_DRAFT).vocab_fingerprint)
 
 
+def is_default_draft(target: Backend) -> bool:
+    """Whether the target is the registry's default draft model itself (by its known SHA-256,
+    or its file being the registry's cached copy): ``auto`` then does not draft with it, since
+    a draft as costly as the target saves nothing."""
+    spec = registry.get_spec(registry.DEFAULT_DRAFT)
+    if getattr(target, "known_sha256", None) == spec.sha256:
+        return True
+    path = getattr(target, "path", None)
+    return path is not None and Path(path).resolve() == registry.cached_path(spec).resolve()
+
+
 def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,
                     n_threads: int | None = None, progress: bool = True, backend: str = "auto",
                     dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0,
@@ -193,7 +204,7 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
     else:
         shared = calibration.costs(ns, kmax + 1, on_drift)
     names = list(choice.names)
-    if choice.default_model and default_draft_serves(target):
+    if choice.default_model and default_draft_serves(target) and not is_default_draft(target):
         names.append(registry.DEFAULT_DRAFT)
     sources = []
     try:
