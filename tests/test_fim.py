@@ -191,3 +191,22 @@ def test_auto_never_drafts_with_the_target_itself(qwen, smollm):
         assert not any(d.draft_backends() for d in drafted_by), [type(d).__name__ for d in drafted_by]
     finally:
         controller.close()
+
+
+def test_llama_cpps_infill_budget_trims_instead_of_refusing(qwen):
+    """llama.vim's defaults give a 7,742-token prompt; llama.cpp's /infill trims it to fit."""
+    from specdecode.backends.fim import FimBudget
+
+    b, t = qwen.target, qwen.target.fim_tokens
+    prefix, suffix = "x = 1\n" * 3000, "y = 2\n" * 1000
+    files = tuple((f"f{i}.py", f"z{i} = {i}\n" * 300) for i in range(8))
+    budget = FimBudget.for_context(4096, 128)
+    assert budget.n_batch == 2048
+    ids = fim_prompt_ids(b, FimInput(prefix, suffix, files), budget=budget)
+    whole = fim_prompt_ids(b, FimInput(prefix, suffix, files))
+    assert len(whole) > 4096 >= len(ids) + 128
+    mid = ids.index(t.pre)
+    assert len(ids) - mid == 1 + 1536 + 1 + 510 + 1  # pre, the prefix's last 3/4 n_batch, suf, 510, mid
+    assert ids[mid + 1:mid + 1537] == text_ids(b, prefix)[-1536:]
+    assert mid == 4096 - 2048 - 2 * 128  # the files' last tokens (the newest files), whole budget used
+    assert ids[:mid] == whole[:whole.index(t.pre)][-mid:]

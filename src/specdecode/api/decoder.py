@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 
 from ..assembly import registry
 from ..backends.base import Backend, claim_backends, release_backends
+from ..backends.fim import FimBudget
 from ..control.calibration import Calibration
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
@@ -171,14 +172,15 @@ class Decoder:
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
                    tools: Sequence[dict] | None = None, *, suffix: str | None = None,
-                   extra: Sequence | None = None) -> list[int]:
+                   extra: Sequence | None = None, fim_budget: FimBudget | None = None) -> list[int]:
         """Tokenize a raw prompt (BOS added if the model wants it) or chat messages (the
         model's own chat template). Exactly one of the two must be given. tools: OpenAI tool
         objects the chat template presents to the model (messages only; checked by the caller,
         as the server's :mod:`specdecode.server.tools` does). suffix / extra: a
         fill-in-the-middle prompt (:func:`specdecode.backends.fim.fim_prompt_ids`): the prompt is
         the code before the cursor, suffix the code after it, extra other files as (filename,
-        text) pairs; the output is the middle.
+        text) pairs; the output is the middle; fim_budget trims them to fit as llama.cpp's /infill
+        does (:class:`specdecode.backends.fim.FimBudget`).
         Raises SpecDecodeError naming the field at fault (see :func:`check_messages`; an empty
         prompt where the model adds no start token: param prompt; suffix where the model has no
         fill-in-the-middle tokens; extra[i] for a malformed file)."""
@@ -190,7 +192,7 @@ class Decoder:
         with self._tokenizer_lock():
             self.check_open()
             if suffix is not None or extra is not None:
-                return fim_ids(self.target, prompt, messages, suffix, extra)
+                return fim_ids(self.target, prompt, messages, suffix, extra, fim_budget)
             return text_prompt_ids(self.target, prompt, messages, tools)
 
     def _tokenizer_lock(self) -> Any:

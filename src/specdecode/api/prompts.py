@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..backends.base import Backend
 from ..backends.chat_prompt import chat_prompt_ids
-from ..backends.fim import FimInput, check_extra, fim_prompt_ids
+from ..backends.fim import FimBudget, FimInput, check_extra, fim_prompt_ids
 from ..errors import SpecDecodeError
 from ..limits import check_text
 from ..messages import check_messages, template_messages
@@ -34,16 +34,16 @@ def text_prompt_ids(target: Backend, prompt: str | None, messages: Sequence[dict
 
 
 def fim_ids(target: Backend, prompt: str | None, messages: Sequence[dict] | None, suffix: str | None,
-            extra: Sequence | None) -> list[int]:
+            extra: Sequence | None, budget: FimBudget | None = None) -> list[int]:
     """A fill-in-the-middle prompt's token ids: prompt the code before the cursor, suffix after
     it, extra other files ((filename, text) pairs or ``[{"filename", "text"}]``). Raises
     SpecDecodeError: param suffix for chat messages or a model without FIM tokens, extra[i] for a
-    malformed file."""
+    malformed file. budget: trim to fit as llama.cpp's /infill does (None: keep all)."""
     if messages is not None:
         raise SpecDecodeError("suffix and extra make a fill-in-the-middle prompt from a prompt (the code before "
                               "the cursor), not from chat messages", param="suffix")
     fim = FimInput(check_text(prompt, "prompt"), check_text(suffix or "", "suffix"), check_extra(extra))
-    return fim_prompt_ids(target, fim)
+    return fim_prompt_ids(target, fim, budget=budget)
 
 
 def check_codes(target: Backend, prompt, messages, fields: dict) -> None:

@@ -91,11 +91,31 @@ class Tokenizing(Protocol):
 @dataclass(frozen=True)
 class FimInput:
     """A fill-in-the-middle request: the text before the cursor (prefix), after it (suffix), and
-    other files as context (extra: (filename, text) pairs, in the order given)."""
+    other files as context (extra: (filename, text) pairs, in the order given); fit: trim them to
+    the context rather than refuse a prompt too long for it (llama.cpp's /infill)."""
 
     prefix: str
     suffix: str = ""
     extra: tuple[tuple[str, str], ...] = ()
+    fit: bool = False  # trimmed to fit the context as llama.cpp's /infill trims it (:class:`FimBudget`)
+
+
+@dataclass(frozen=True)
+class FimBudget:
+    """llama.cpp's /infill budgets (``format_infill``), which trim a FIM prompt to fit rather than
+    refuse it: the prefix keeps its last 3 n_batch / 4 tokens, the suffix its first n_batch / 4 - 2,
+    the repository context its last n_ctx - n_batch - 2 n_predict (all in tokens; the oldest
+    files go first)."""
+
+    n_batch: int
+    n_ctx: int
+    n_predict: int
+
+    @classmethod
+    def for_context(cls, n_ctx: int, n_predict: int) -> "FimBudget":
+        """llama.cpp's server default n_batch of 2048, at most half the context, so that the
+        prefix and suffix always leave room for the files and the middle."""
+        return cls(min(2048, n_ctx // 2), n_ctx, max(0, n_predict))
 
 
 def check_extra(extra, param: str = "extra") -> tuple[tuple[str, str], ...]:
@@ -128,10 +148,12 @@ def require_fim_tokens(backend: Tokenizing, param: str = "suffix") -> FimTokens:
     return tokens
 
 
-def fim_prompt_ids(backend: Tokenizing, fim: FimInput, param: str = "suffix") -> list[int]:
+def fim_prompt_ids(backend: Tokenizing, fim: FimInput, param: str = "suffix",
+                   budget: FimBudget | None = None) -> list[int]:
     """The FIM prompt's token ids [L] in llama.cpp's server layout (module docstring): every text
-    tokenized as text (no special parsing, no BOS), the FIM tokens as ids. Raises SpecDecodeError
-    (param) where the model has no FIM tokens."""
+    tokenized as text (no special parsing, no BOS), the FIM tokens as ids; with a budget, trimmed
+    as llama.cpp's /infill trims it (:class:`FimBudget`). Raises SpecDecodeError (param) where the
+    model has no FIM tokens."""
     t = require_fim_tokens(backend, param)
 
     def text(s: str) -> list[int]:
@@ -146,4 +168,9 @@ def fim_prompt_ids(backend: Tokenizing, fim: FimInput, param: str = "suffix") ->
     if t.sep is not None:
         ids += [t.sep, *text(CURRENT_FILE + "\n")]
     bos = backend.tokenize("", add_special=True, parse_special=False)  # [BOS] where the model adds one
-    return ids + bos + [t.pre, *text(fim.prefix), t.suf, *text(fim.suffix), t.mid]
+    prefix, suffix = text(fim.prefix), text(fim.suffix)
+    if budget is not None:
+        prefix = prefix[max(0, len(prefix) - 3 * (budget.n_batch // 4)):]
+        suffix = suffix[:max(0, budget.n_batch // 4 - 2)]
+        ids = ids[max(0, len(ids) - max(0, budget.n_ctx - budget.n_batch - 2 * budget.n_predict)):]
+    return ids + bos + [t.pre, *prefix, t.suf, *suffix, t.mid]

@@ -196,7 +196,7 @@ def parse_infill(body: Any, model_name: str, n_ctx: int, fim_model: bool,
                        "for it", param="input_suffix")
     prefix, suffix = _required_text(b, "input_prefix"), _required_text(b, "input_suffix")
     fim = FimInput(prefix=prefix + (b.string("prompt") or ""), suffix=suffix,
-                   extra=parse_extra(body.get("input_extra")))
+                   extra=parse_extra(body.get("input_extra")), fit=True)
     n_predict = b.integer("n_predict", -1, n_ctx, " (-1: until the middle ends or the context is full; 0: read "
                           "the prompt into the cache only; at most the context size)")
     n_predict = -1 if n_predict is None else n_predict
@@ -221,7 +221,7 @@ def parse_infill(body: Any, model_name: str, n_ctx: int, fim_model: bool,
     watch = limits.watch if (limits.t_max_predict_ms or limits.n_indent or limits.no_output) else None
     req = InfillGenRequest(kind="infill", prompt=fim.prefix, messages=None,
                            max_tokens=n_predict if n_predict > 0 else None, options=options, stream=stream, n=n,
-                           fim=fim, trace=trace, watch=watch)
+                           fim=fim, trace=trace, watch=watch, fit_context=True)  # n_predict a bound, as llama.cpp
     return InfillRequest(req, n_predict, samplers, _response_fields(body.get("response_fields")), limits)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from ..backends.fim import FimInput
+from ..backends.fim import FimBudget, FimInput
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from .apierror import APIError, from_specdecode_error
@@ -89,7 +89,8 @@ class Preparer:
         and an input over max_prediction_tokens tokens or max_prediction_bytes bytes (param:
         its field, checked in bytes before it is tokenized)."""
         size = _text_bytes(req)
-        if size > PROMPT_BYTES_PER_TOKEN * self.n_ctx:  # refused before the tokenizer spends seconds on it
+        fit = req.fim is not None and req.fim.fit  # trimmed once tokenized (the body's bound still holds)
+        if size > PROMPT_BYTES_PER_TOKEN * self.n_ctx and not fit:  # refused before the tokenizer spends seconds on it
             raise APIError(400, f"the prompt has {size} bytes of text, more than a context of {self.n_ctx} tokens "
                            f"could hold ({PROMPT_BYTES_PER_TOKEN * self.n_ctx} bytes: {PROMPT_BYTES_PER_TOKEN} per "
                            "token)", param="prompt" if req.kind == "completion" else "messages",
@@ -97,7 +98,9 @@ class Preparer:
         try:
             ids = self.decoder.prompt_ids(**{"prompt": req.prompt, "messages": req.messages,
                                              "tools": req.tools.tools if req.tools else None,
-                                             **fim_fields(req.fim, self.decoder.target)})
+                                             **fim_fields(req.fim, self.decoder.target)},
+                                          fim_budget=FimBudget.for_context(self.n_ctx, req.max_tokens or 0) if fit
+                                          else None)
             max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
             inputs = {name: self._input_ids(name, text) for name, text in req.inputs.items()}
             if req.options.grammar is not None:
