@@ -424,3 +424,21 @@ def test_requests_waiting_to_be_prepared_get_503_when_the_server_stops():
         dec.close()
     for r in answers:
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+
+
+def test_each_refusal_is_logged_on_one_line_with_its_reason_and_not_the_body(http, caplog):
+    """Issue 46, item 4: uvicorn logged a 400 as '"POST /v1/responses HTTP/1.1" 400 Bad Request'."""
+    secret = "hunter2-do-not-log"
+    with caplog.at_level("WARNING", logger="specdecode.server"):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": secret}],
+                                                     "temperature": 9})
+        assert r.status_code == 400
+        r = http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400
+        r = http.get("/v1/models/" + "x" * 500)
+        assert r.status_code == 404
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdecode.server"]
+    assert lines[0] == "400 /v1/chat/completions: invalid_request_error, param temperature", lines
+    assert lines[1].startswith("400 /v1/completions: invalid_request_error") and len(lines) == 3, lines
+    assert lines[2].startswith("404 /v1/models/xxxx") and len(lines[2]) < 300, lines
+    assert not any(secret in line or "\n" in line for line in lines)

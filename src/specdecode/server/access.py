@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import hashlib
 import hmac
 import ipaddress
@@ -48,6 +49,19 @@ LOOPBACK_NAMES = ("localhost",)
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 # Where errors are answered in Ollama's shape: its API's paths.
 OLLAMA_PATHS = "/api/"
+# The server's log of refused requests (uvicorn's access log says only "400 Bad Request").
+LOG = logging.getLogger("specdecode.server")
+
+
+def log_refusal(e: APIError, path: str) -> None:
+    """One line in the server's log for a request refused with a 4xx, with what says why (the
+    error's type, code and the field at fault) and never the body's contents or the message
+    (which may quote them): ``400 /v1/responses: invalid_request_error, param reasoning``."""
+    def short(v: Any) -> str:  # a field name may come from the body: one line, at most 80 characters
+        return str(v)[:80].encode("unicode_escape").decode("ascii")
+
+    reason = ", ".join([e.type] + [f"{k} {short(v)}" for k, v in (("code", e.code), ("param", e.param)) if v])
+    LOG.warning("%d %s: %s", e.status, short(path) or "?", reason)
 
 
 def error_response(e: APIError, path: str = "") -> JSONResponse:
@@ -57,6 +71,8 @@ def error_response(e: APIError, path: str = "") -> JSONResponse:
     from fastapi.responses import JSONResponse
 
     plain = path.startswith(OLLAMA_PATHS)
+    if 400 <= e.status < 500:
+        log_refusal(e, path)
     headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     body = e.body()
     try:
