@@ -221,6 +221,14 @@ def test_text_that_is_no_call_stays_content(text):
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_call_cut_in_its_head_never_leaks_into_content():
+    """Issue 46, item 6: '<tool_call>\n{"name": "final_answer", "arguments":' was left in content."""
+    for cut in ('\n<tool_call>\n{"name": "get_time", "arguments":', "\n<tool_call>\n{\"name\": \"get_ti", "\n<tool_call>"):
+        content, calls = parse("Sure.\n" + CALL + cut)
+        assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_weather"], (cut, content)
+    assert parse("ends with <tool_c") == ("ends with <tool_c", [])  # no call begun: text
+
+
 def test_a_call_cut_by_max_tokens_keeps_length():
     cut = CALL[:60]
     content, calls = parse(cut)
@@ -248,7 +256,7 @@ def test_any_split_of_the_text_gives_the_same_parts(text):
 # --- streaming -----------------------------------------------------------------------------
 
 def result(text: str, finish: str = "stop"):
-    stats = SimpleNamespace(prompt_tokens=5, completion_tokens=len(text))
+    stats = SimpleNamespace(prompt_tokens=5, prompt_cached=0, completion_tokens=len(text))
     return SimpleNamespace(text=text, finish_reason=finish, stats=stats)
 
 

@@ -120,6 +120,9 @@ class HermesParser:
         state, name, end = self._match_head(self._buf)
         if state == "partial" and not final:
             return False
+        if state == "partial":  # the output ended inside a call's head (max_tokens): a cut call, not content
+            self._ws, self._buf, self._mode = "", "", "text"
+            return False
         if state != "ok":  # no call: the OPEN and what follows are text
             self._content(out, self._ws + self.OPEN)
             self._ws, self._mode = "", "text"
