@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..control.invariance import check_strict_allowed
 from .access import AccessGuard, APIKeyGuard, DrainUnread, HostOriginPolicy, error_response, normalize_origin
@@ -26,7 +25,7 @@ from .protocol import APIError, json_repr, parse_json_body, parse_request
 from .responses import full_response, stream
 from .responses_api import ResponseStore, ResponsesRequest, parse_responses, rename_error
 from .responses_events import ResponseBuilder, stream_events
-from .jobs import Job
+from .jobs import Job, closing_stream
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -147,28 +146,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(error, request.url.path)
 
 
-@functools.cache
-def _sse_response_class() -> type:
-    """StreamingResponse (imported on first use) as a server-sent-event stream that runs
-    ``on_close`` however it ends (finished, client gone, or cancelled), so that a dropped
-    client frees the worker."""
-    from fastapi.responses import StreamingResponse
-
-    class SSEResponse(StreamingResponse):
-        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-            super().__init__(content, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self._on_close = on_close
-
-        async def __call__(self, scope, receive, send) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self._on_close()
-
-    return SSEResponse
-
-
 class _Routes:
     """The app's endpoints, around its worker.
 
@@ -251,12 +228,12 @@ class _Routes:
         if not req.stream:
             choices = [e[1] for e in first]
             return JSONResponse(full_response(kind, self.model_name, choices, self.speculation, req.tools))
-        return _sse_response_class()(stream(kind, self.model_name, req, job, event, self.speculation),
+        return closing_stream(stream(kind, self.model_name, req, job, event, self.speculation),
                                      on_close=lambda: self.worker.cancel(job))
 
     async def infill(self, request: Request) -> Response:
         """llama.cpp's ``POST /infill`` (:mod:`.infill`)."""
-        return await infill.serve(self, request, _sse_response_class())
+        return await infill.serve(self, request, closing_stream)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (:mod:`.responses_api`): the request translated to chat, run
@@ -293,7 +270,7 @@ class _Routes:
             response = builder.full(event[1][1])
             keep(response)
             return JSONResponse(response)
-        return _sse_response_class()(stream_events(builder, job, event, keep), on_close=lambda: self.worker.cancel(job))
+        return closing_stream(stream_events(builder, job, event, keep), on_close=lambda: self.worker.cancel(job))
 
     async def stored_response(self, request: Request) -> Response:
         """``GET`` (the object) or ``DELETE`` a stored response; 404 naming the id when it is not stored."""

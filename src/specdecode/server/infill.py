@@ -340,7 +340,7 @@ def infill_error(e: APIError) -> APIError:
     return APIError(e.status, message, e.type, _RENAMED[e.param], e.code)
 
 
-async def serve(routes: Any, request: Any, sse_class: type) -> Any:
+async def serve(routes: Any, request: Any, sse_class: Any) -> Any:
     """``POST /infill`` on the app's routes (:class:`specdecode.server.app._Routes`): parsed,
     prepared and queued by ``routes._submit`` (limits, access checks, the queue, speculation),
     answered whole or streamed (sse_class(content, on_close)). The limits' clock is

@@ -1,15 +1,17 @@
 """A request on its way through the server's worker (:class:`Job`) and the stream of events
 the worker posts to it for the HTTP side, counted while unread (:class:`EventQueue`), so that a
-stream whose client stopped reading can be ended.
+stream whose client stopped reading can be ended; and that stream as an HTTP response that frees
+the worker however it ends (:func:`closing_stream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from .prepare import Prepared
 from .protocol import GenRequest
@@ -79,3 +81,33 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, size))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@functools.cache
+def _closing_stream_class() -> type:
+    from fastapi.responses import StreamingResponse
+
+    class ClosingStream(StreamingResponse):
+        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], media_type: str,
+                     headers: dict) -> None:
+            super().__init__(content, media_type=media_type, headers=headers)
+            self._on_close = on_close
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._on_close()
+
+    return ClosingStream
+
+
+def closing_stream(content: AsyncIterator[str], on_close: Callable[[], None], media_type: str = "text/event-stream",
+                   headers: dict | None = None) -> Any:
+    """A job's stream as a StreamingResponse (imported on first use) that runs ``on_close``
+    however it ends (finished, client gone, or cancelled), so that a dropped client frees the
+    worker: server-sent events by default (SSE_HEADERS), or another media type (Ollama's NDJSON)."""
+    return _closing_stream_class()(content, on_close, media_type, SSE_HEADERS if headers is None else headers)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 from .access import error_response
 from .apierror import APIError
 from .body import parse_json_body, read_body
+from .jobs import closing_stream
 from .ollama_models import OLLAMA_API_VERSION, model_card
 from .ollama_protocol import OllamaRequest, check_model, parse_chat, parse_generate, rename_error
 from .toolcalls import parse_message
@@ -70,26 +71,6 @@ def _errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaita
             return error_response(e, request.url.path)
 
     return wrapped
-
-
-@functools.cache
-def _ndjson_response_class() -> type:
-    """StreamingResponse (imported on first use) as an NDJSON stream that runs ``on_close``
-    however it ends, so that a dropped client frees the worker (as the OpenAI streams)."""
-    from fastapi.responses import StreamingResponse
-
-    class NDJSONResponse(StreamingResponse):
-        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-            super().__init__(content, media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
-            self._on_close = on_close
-
-        async def __call__(self, scope, receive, send) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self._on_close()
-
-    return NDJSONResponse
 
 
 def _line(obj: dict) -> str:
@@ -287,4 +268,5 @@ class OllamaRoutes:
         answer = _Answer(p, job.arrival)
         if not p.req.stream:
             return JSONResponse(answer.whole(event[1][1]))
-        return _ndjson_response_class()(_stream(answer, job, event), on_close=lambda: self.worker.cancel(job))
+        return closing_stream(_stream(answer, job, event), on_close=lambda: self.worker.cancel(job),
+                              media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
