@@ -105,7 +105,7 @@ def add_parallel_option(p: argparse.ArgumentParser) -> None:
                    help=f"slots for concurrent requests, batched into shared forward passes (llama.cpp backend; "
                         f"1..{MAX_PARALLEL}); each slot keeps its own KV cache of --ctx-size tokens and a new "
                         f"request takes the free slot whose cache shares the longest prefix with its prompt "
-                        f"(default: %(default)s)")
+                        f"(at least half of it; else the least recently used slot) (default: %(default)s)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, seed: int | None = None) -> None:

@@ -31,6 +31,11 @@ from ..verify import committed_tokens, verify_greedy, verify_keyed, verify_specu
 __all__ = ["SpeculativeEngine", "Generation", "GenerationResult", "TextDelta", "TokenLogprob"]
 
 
+# A free slot's cache is reused when it holds at least this share of the prompt; else the least
+# recently used slot is taken (llama.cpp's server: --slot-prompt-similarity, 0.5 by default).
+SLOT_REUSE_SHARE = 0.5
+
+
 class SpeculativeEngine:
     """Runs generations of one target with one drafter, one at a time or several in one
     batch (continuous batching).
@@ -99,7 +104,9 @@ class SpeculativeEngine:
               drafter: Drafter | None = None, slot: int | None = None, **fields) -> Generation:
         """Start a generation (options as :meth:`stream`) in a free slot: the given one, else
         the free slot whose cached tokens share the longest prefix with the prompt (least
-        recently used among equals); its prompt is prefilled there (reusing that prefix).
+        recently used among equals) where that prefix is at least SLOT_REUSE_SHARE of the
+        prompt, else the least recently used free slot; its prompt is prefilled there (reusing
+        the prefix it shares).
 
         Raises SpecDecodeError for bad options or when no slot is free,
         ContextOverflowError when the prompt does not fit.
@@ -159,7 +166,13 @@ class SpeculativeEngine:
         if not free:
             raise SpecDecodeError(f"no free slot among {len(self.slots)}" if slot is None else f"slot {slot} is busy",
                                   param="slot")
-        return max(free, key=lambda s: (s.reusable(prompt_ids), -s.last_used))
+        best = max(free, key=lambda s: (s.reusable(prompt_ids), -s.last_used))
+        if best.reusable(prompt_ids) >= SLOT_REUSE_SHARE * len(prompt_ids):
+            return best
+        # Little in common (a header every prompt shares, such as a fill-in-the-middle prompt's
+        # first tokens): the least recently used slot, an empty one first, so that a slot that
+        # holds another client's file is not overwritten for a few tokens' reuse.
+        return min(free, key=lambda s: s.last_used)
 
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
         """One batched step for the running generations ``gens`` (distinct, not done): each
