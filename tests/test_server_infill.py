@@ -315,7 +315,8 @@ def test_stream_as_llama_cpp_streams_it(http):
 
 def test_unknown_fields_and_bad_values_get_one_400_from_the_server(http):
     for body, param in (({"n_probs": 3}, "n_probs"), ({"n_predict": 1 << 40}, "n_predict"),
-                        ({"input_extra": [{"filename": "a", "text": None}]}, "input_extra[0].text")):
+                        ({"input_extra": [{"filename": "a", "text": None}]}, "input_extra[0].text"),
+                        ({"prompt": 5}, "prompt")):  # /infill's own prompt field keeps its name
         # (n_predict beyond what the context leaves is a bound, as llama.cpp takes it: not refused)
         r = infill(http, **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

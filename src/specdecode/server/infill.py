@@ -334,8 +334,8 @@ _RENAMED = {"prompt": "input_prefix", "messages": "input_prefix", "suffix": "inp
 
 def infill_error(e: APIError) -> APIError:
     """An error found when the request was prepared, in /infill's words (:data:`_RENAMED`)."""
-    if e.param not in _RENAMED:
-        return e
+    if e.param not in _RENAMED or e.param == "prompt" and e.code != "context_length_exceeded":
+        return e  # (prompt is also /infill's own field: its own errors keep its name)
     message = e.message.replace("max_tokens", "n_predict") if e.param == "max_tokens" else e.message
     return APIError(e.status, message, e.type, _RENAMED[e.param], e.code)
 
