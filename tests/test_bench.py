@@ -83,7 +83,7 @@ def test_the_repeat_category_chains_requests():
     """"repeat" (after the free-text categories) opens each chain with a novel request, later
     ones asking for (nearly) the same output again in a new prompt; the first three are one chain."""
     assert CATEGORIES == ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn",
-                          "repeat", "json_schema", "predicted_edits", "agent") + EDITOR_CATEGORIES
+                          "repeat", "json_schema", "predicted_edits", "agent") + EDITOR_CATEGORIES + ("fim",)
     rep = [p for p in load_prompts(None) if p.category == "repeat"]
     assert [p.id for p in rep] == [f"repeat-{i:02d}" for i in range(1, 9)]
     assert all(p.messages and 100 <= p.max_tokens <= 200 for p in rep)

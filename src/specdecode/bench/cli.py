@@ -28,7 +28,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--config", action="append", metavar="DRAFT[:K]",
                    help="a configuration to compare with plain decoding, e.g. auto:auto, ngram:4, "
                         "qwen2.5-coder-0.5b-instruct:3 (repeatable; default auto:auto)")
-    b.add_argument("--categories", default=None, help="comma-separated categories to run")
+    b.add_argument("--categories", "--category", default=None,
+                   help="comma-separated categories to run (e.g. fim: fill-in-the-middle completions)")
     b.add_argument("--per-category", type=int, default=None, help="at most this many prompts per category")
     b.add_argument("--max-tokens", type=int, default=DEFAULT_BENCH_MAX_TOKENS,
                    help="for prompts without their own max_tokens (default: %(default)s)")

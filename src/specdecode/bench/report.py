@@ -41,11 +41,38 @@ def _oracle(rs: list[dict], speedup: float | None) -> dict:
     return {"oracle_speedup": round(oracle, 3), "oracle_fraction": round(speedup / oracle, 3) if speedup else None}
 
 
+def _times(rs: list[dict]) -> dict:
+    """time_speedup: the rows' summed plain over summed speculative time to the whole answer
+    (``decode_s``: from the end of the prefill to the last token, the first token included);
+    lowest_time_speedup: the lowest one row's ratio. None where a row lacks the times (results
+    of older versions) or one is 0."""
+    pairs = [(r.get("plain_decode_s"), r.get("decode_s")) for r in rs]
+    if not pairs or any(not p or not s for p, s in pairs):
+        return {"time_speedup": None, "lowest_time_speedup": None}
+    return {"time_speedup": round(sum(p for p, _ in pairs) / sum(s for _, s in pairs), 3),
+            "lowest_time_speedup": round(min(p / s for p, s in pairs), 3)}
+
+
+def prompt_lines(result: dict, categories: Sequence[str] = ("fim",)) -> list[str]:
+    """One line per run of the prompts in ``categories`` (the fill-in-the-middle ones: what a user
+    waits for is the whole middle): its configuration, tokens and why it ended, the plain and
+    speculative seconds to the whole answer and their ratio, drafts accepted, parity."""
+    rows = [r for r in result.get("rows", ()) if r["category"] in categories and r.get("decode_s")]
+    if not rows:
+        return []
+    out = [f"per prompt ({', '.join(categories)}): seconds to the whole answer after the prompt, plain / speculative"]
+    for r in rows:
+        out.append(f"  {r['id']:38} {run_label(r['config'], r.get('vary')):14} {r['completion_tokens']:4} tok "
+                   f"{r['finish_reason']:6} {r['plain_decode_s']:6.2f} s {r['decode_s']:6.2f} s "
+                   f"{r['plain_decode_s'] / r['decode_s']:5.2f}x  accepted {r['accepted']}/{r['drafted']}  {r['parity']}")
+    return out
+
+
 def summarize(rows: list[dict], configs: list[str]) -> dict:
     """Per run name (``configs``: a configuration, "CONFIG [SETTING=VALUE]" with --vary; a row
     counts under :func:`specdecode.bench.config.run_label` of its config and vary), per category
     and "overall": median decode tokens/s (speculative,
-    plain, peers), speedup, acceptance rate, mean accepted length, per-position acceptance,
+    plain, peers), speedup, the time to the whole answer (:func:`_times`), acceptance rate, mean accepted length, per-position acceptance,
     parity counts, and the oracle's speedup and the fraction of it reached (None where the
     rows have no oracle times: sampling, draft models). A peer's ratio (vs_peer,
     vs_peer_assisted) sets the rows that peer ran on against the same rows' speculative
@@ -75,6 +102,7 @@ def summarize(rows: list[dict], configs: list[str]) -> dict:
                 "plain_decode_tokens_per_s": round(plain, 2),
                 "speedup": speedup,
                 **_oracle(rs, speedup),
+                **_times(rs),
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
                 "mean_accepted_length": round(tokens / passes, 3) if passes else 0.0,
                 "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(acc_pos, dr_pos)],
@@ -117,8 +145,8 @@ def markdown(summary: dict, meta: dict) -> str:
         lines += [f"## {cfg}", "",
                   "| category | decode tok/s | plain tok/s | speedup | oracle speedup | of oracle | acceptance | "
                   "mean accepted length | prompt-lookup peer tok/s | assisted peer tok/s | "
-                  "parity exact/near-tie/divergent |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "parity exact/near-tie/divergent | time to the whole answer, speedup |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for cat, e in per.items():
             p = e["parity"]
             lines.append(f"| {cat} | {e['decode_tokens_per_s']} | {e['plain_decode_tokens_per_s']} | "
@@ -126,7 +154,7 @@ def markdown(summary: dict, meta: dict) -> str:
                          f"{e['acceptance_rate']} | {e['mean_accepted_length']} | "
                          f"{e.get('peer_prompt_lookup_tokens_per_s', '-')} | "
                          f"{e.get('peer_assisted_tokens_per_s', '-')} | "
-                         f"{p['exact']}/{p['near-tie']}/{p['divergent']} |")
+                         f"{p['exact']}/{p['near-tie']}/{p['divergent']} | {_x(e.get('time_speedup'))} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -205,7 +233,9 @@ def write_outputs(result: dict, out: Path) -> None:
     when the folder cannot be written, ImportError without matplotlib."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result["summary"], result["meta"]) + "\n".join(vary_markdown(result)))
+    per_prompt = prompt_lines(result)
+    (out / "results.md").write_text(markdown(result["summary"], result["meta"]) + "\n".join(vary_markdown(result))
+                                    + ("\n```\n" + "\n".join(per_prompt) + "\n```\n" if per_prompt else ""))
     result["meta"]["plots"] = plots(result["summary"], result["rows"], out)
 
 
@@ -223,7 +253,7 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
     for cfg, per in result["summary"].items():
         print(f"\n{cfg}", file=file)
         assisted = any("peer_assisted_tokens_per_s" in e for e in per.values())
-        print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'oracle':>7} {'of it':>6} "
+        print(f"  {'category':14} {'tok/s':>7} {'plain':>7} {'speedup':>8} {'time':>6} {'oracle':>7} {'of it':>6} "
               f"{'accept':>7} {'len':>5} "
               f"{'peer':>7}{' assisted' if assisted else ''} {'parity e/n/d':>13}", file=file)
         for cat, e in per.items():
@@ -231,10 +261,14 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
             peer = e.get("peer_prompt_lookup_tokens_per_s")
             extra = f" {e.get('peer_assisted_tokens_per_s', '-'):>8}" if assisted else ""
             print(f"  {cat:14} {e['decode_tokens_per_s']:7.2f} {e['plain_decode_tokens_per_s']:7.2f} "
-                  f"{(e['speedup'] or 0):7.2f}x {_x(e.get('oracle_speedup')):>7} {_pct(e.get('oracle_fraction')):>6} "
+                  f"{(e['speedup'] or 0):7.2f}x {_x(e.get('time_speedup')):>6} {_x(e.get('oracle_speedup')):>7} {_pct(e.get('oracle_fraction')):>6} "
                   f"{e['acceptance_rate']:7.3f} {e['mean_accepted_length']:5.2f} "
                   f"{peer if peer is not None else '-':>7}{extra} {p['exact']:>5}/{p['near-tie']}/{p['divergent']}",
                   file=file)
+    for line in prompt_lines(result):
+        print(line, file=file)
+    if meta.get("skipped"):
+        print(f"skipped: {meta['skipped']}", file=file)
     print_vary(result, file)
 
 

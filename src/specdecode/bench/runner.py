@@ -35,6 +35,7 @@ from ..control.costmodel import CostCurve
 from ..control.costcache import cached_forward_curve
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import SpeculativeEngine
+from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from ..limits import COST_CURVE_NS, MAX_NUM_SPECULATIVE_TOKENS
 from ..parity import parity_report
@@ -244,12 +245,15 @@ def run_bench(config: BenchConfig) -> dict:
     """Load the target and the configurations' drafters (per value of ``vary``), warm up, and
     time plain decoding, each configuration and the peers on every selected prompt.
 
+    A target without fill-in-the-middle tokens skips the ``fim`` prompts (:func:`fim_served`:
+    a note on stderr and in ``meta["skipped"]``, else None).
     Returns {"meta": run settings, peak RSS in MB, peer note, the CPU, ``vary`` (None, or the
     setting, its values, what each value's target reported, each value's copy limit and how
     its plain runs compare with the first value's); "summary": per run name (configuration,
     and "[SETTING=VALUE]" with vary) and category, as :func:`specdecode.bench.report.summarize`;
     "rows": one dict per prompt and run}. Decode tokens/s is :func:`decode_rate` for every runner alike.
-    Raises SpecDecodeError for bad prompt files, an empty selection, and models that cannot
+    Raises SpecDecodeError for bad prompt files, an empty selection (also when only ``fim``
+    prompts were selected for a target without FIM tokens), and models that cannot
     load or do not share the target's vocabulary, or grammars that do not compile (named by
     file and line; all are compiled before anything is timed), and a varied load setting the
     target does not have or did not take. Every generation of a prompt
@@ -265,11 +269,15 @@ def run_bench(config: BenchConfig) -> dict:
         prompts = [dataclasses.replace(p, prediction=config.prediction) for p in prompts]
     variants: list[Variant] = []
     drafts = _drafts_by_row_name(config)
+    skipped = None
     try:
         _open_variants(config, variants)
         first = variants[0].dec
+        prompts, skipped = fim_served(prompts, first.target)
 
         def ids_of(p: BenchPrompt) -> list[int]:
+            if p.fim:
+                return first.prompt_ids(p.prompt, suffix=p.suffix, extra=p.extra)
             return first.prompt_ids(p.prompt, p.messages, p.tools)
 
         for v in variants:
@@ -297,10 +305,28 @@ def run_bench(config: BenchConfig) -> dict:
             "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite"),
             "cost_curve": curve.to_dict() if curve is not None else None,
             "copy_limit": copy_limit(curve) if curve is not None else None,
-            "background_load": config.background_load,
+            "background_load": config.background_load, "skipped": skipped,
             "oracle_drafters": {d: [x.name for x in ds] for d, ds in variants[0].oracle_drafters.items()},
             "vary": _vary_meta(config, variants, vs_first)}
     return {"meta": meta, "summary": summarize(rows, names), "rows": rows}
+
+
+def fim_served(prompts: list[BenchPrompt], target: Backend) -> tuple[list[BenchPrompt], str | None]:
+    """The prompts the target can run and a note on those it cannot (None when none): a target
+    without fill-in-the-middle tokens skips the fill-in-the-middle prompts (the ``fim``
+    category), and the note is printed on stderr. Raises SpecDecodeError, naming the target,
+    when no prompt is left."""
+    if getattr(target, "fim_tokens", None) is not None or not any(p.fim for p in prompts):
+        return prompts, None
+    cats = ", ".join(dict.fromkeys(p.category for p in prompts if p.fim))
+    note = (f"{sum(p.fim for p in prompts)} fill-in-the-middle prompt(s) ({cats}) skipped: the target "
+            f"{target.name} has no fill-in-the-middle tokens")
+    kept = [p for p in prompts if not p.fim]
+    if not kept:
+        raise SpecDecodeError(f"no prompts left: {note}; choose other categories or a code model trained for it "
+                              "(such as qwen2.5-coder-1.5b-instruct)", param="categories")
+    print(f"specdecode bench: {note}", file=sys.stderr, flush=True)
+    return kept, note
 
 
 def _vary_meta(config: BenchConfig, variants: list[Variant], vs_first: dict) -> dict | None:

@@ -145,7 +145,9 @@ def make_row(p: BenchPrompt, name: str, result: GenerationResult, plain: Generat
     """The result row of one configuration's run of a prompt (rates in tokens/s; parity with
     the same variant's plain run when greedy, "n/a" when sampling; same_as_plain: the same
     tokens as that plain run, what a seed promises under batch invariance; vary: the variant's
-    "SETTING=VALUE", or None)."""
+    "SETTING=VALUE", or None; decode_s, plain_decode_s: seconds from the end of the prefill to
+    the last token, the time to the whole answer (a completion's whole middle) that the user
+    waits beyond the prompt; prompt_cached: the prompt's tokens a slot's cache already held)."""
     s = result.stats
     return {
         "id": p.id, "category": p.category, "config": name, "vary": vary or None, "grammar": p.grammar is not None,
@@ -153,6 +155,7 @@ def make_row(p: BenchPrompt, name: str, result: GenerationResult, plain: Generat
         "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
         "spec_tokens_per_s": decode_rate(s.completion_tokens, s.first_token_s, s.prefill_s + s.decode_s),
         "plain_tokens_per_s": plain_rate(plain),
+        "decode_s": s.decode_s, "plain_decode_s": plain.stats.decode_s, "prompt_cached": s.prompt_cached,
         "drafted": s.drafted, "accepted": s.accepted, "target_forward_passes": s.target_forward_passes,
         "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position,
         "k_histogram": {str(k): v for k, v in s.k_histogram.items()},

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import queue
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +98,8 @@ def _body(p: BenchPrompt, model: str, max_tokens: int) -> tuple[str, dict]:
               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if p.messages is not None:
         return "/v1/chat/completions", {**common, "messages": p.messages, "logprobs": True, "top_logprobs": 2}
-    return "/v1/completions", {**common, "prompt": p.prompt, "logprobs": 2}
+    fim = {"suffix": p.suffix} if p.fim else {}  # OpenAI's insertion field; its extra files are left out before
+    return "/v1/completions", {**common, "prompt": p.prompt, **fim, "logprobs": 2}
 
 
 def _gap(tops: list[float]) -> float | None:
@@ -271,6 +273,12 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
 
     check_config(cfg)
     prompts = select_prompts(load_prompts(cfg.prompts), cfg.categories, cfg.per_category)
+    if any(p.extra for p in prompts):  # /v1/completions has no field for other files: not sent without them
+        print(f"bench-serve: {sum(bool(p.extra) for p in prompts)} fill-in-the-middle prompt(s) with extra files "
+              "skipped (/v1/completions carries no extra files)", file=sys.stderr)
+        prompts = [p for p in prompts if not p.extra]
+        if not prompts:
+            raise SpecDecodeError("no prompts left: those selected all carry extra files")
     levels = sorted(set(cfg.concurrency))
     n_req = {c: cfg.requests or max(c, len(prompts)) for c in levels}
     result: dict[str, Any] = {"config": {k: v for k, v in vars(cfg).items() if k not in ("api_key", "extra")},

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..backends.fim import check_extra
 from ..drafters.kinds import names_with_arg
 from ..errors import SpecDecodeError
 from ..grammar import Grammar
@@ -17,14 +18,15 @@ from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 # The built-in suite's categories, in the order reports list them.
 CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat",
               "json_schema", "predicted_edits", "agent", "edit_whole", "edit_search_replace", "edit_udiff",
-              "agent_tool_result")
+              "agent_tool_result", "fim")
 DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
     """One prompt: exactly one of ``prompt`` (raw text) or ``messages`` (chat) is set;
-    max_tokens is the completion cap in tokens; grammar, when set, constrains every
+    with ``suffix`` set (a fill-in-the-middle prompt: :attr:`fim`), prompt is the code before the
+    cursor, suffix the code after it and extra other files as (filename, text) pairs; max_tokens is the completion cap in tokens; grammar, when set, constrains every
     generation of the prompt (structured output, from the entry's ``json_schema``);
     prediction, when set, is the output the client expects (the original file of an edit):
     each configuration that can follow one also runs with it, as ``CONFIG+prediction``;
@@ -38,12 +40,21 @@ class BenchPrompt:
     grammar: Grammar | None = None
     prediction: str | None = None
     tools: list | None = None
+    suffix: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def fim(self) -> bool:
+        """Whether the prompt is a fill-in-the-middle one (the model's FIM tokens lay it out)."""
+        return self.suffix is not None
 
 
 def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENCH_MAX_TOKENS) -> list[BenchPrompt]:
     """Read a JSON Lines prompt file (the built-in suite when path is None).
 
-    Each line: ``category``, exactly one of ``prompt`` or ``messages``, optional
+    Each line: ``category``, exactly one of ``prompt``, ``messages`` or ``prefix`` (with
+    ``suffix``, "" at the end of a file, and optional ``extra``, other files as
+    ``[{"filename", "text"}]``: a fill-in-the-middle prompt, the output the middle), optional
     ``max_tokens`` (tokens; default_max_tokens otherwise), ``id``, ``json_schema`` (a
     JSON schema object the output must match: :meth:`Grammar.json_schema`, named after the
     file and line; compiled only when generating), ``prediction`` (a string: the
@@ -71,11 +82,12 @@ def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENC
             raise SpecDecodeError(f"{where}, line {i}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("category"), str):
             raise SpecDecodeError(f"{where}, line {i}: expected an object with a string 'category'")
-        has_p, has_m = "prompt" in obj, "messages" in obj
-        if has_p == has_m:
-            raise SpecDecodeError(f"{where}, line {i}: give exactly one of 'prompt' or 'messages'")
+        has_p, has_m, has_f = "prompt" in obj, "messages" in obj, "prefix" in obj
+        if has_p + has_m + has_f != 1:
+            raise SpecDecodeError(f"{where}, line {i}: give exactly one of 'prompt', 'messages' or 'prefix'")
         if has_p and not isinstance(obj["prompt"], str):
             raise SpecDecodeError(f"{where}, line {i}: 'prompt' must be a string")
+        suffix, extra = _fim_fields(obj, has_f, f"{where}, line {i}")
         if has_m and (not isinstance(obj["messages"], list) or not obj["messages"]):
             raise SpecDecodeError(f"{where}, line {i}: 'messages' must be a non-empty list")
         mt = obj.get("max_tokens", default_max_tokens)
@@ -93,11 +105,30 @@ def load_prompts(path: str | Path | None, default_max_tokens: int = DEFAULT_BENC
         if tools is not None and (not has_m or not isinstance(tools, list)
                                   or not all(isinstance(t, dict) for t in tools)):
             raise SpecDecodeError(f"{where}, line {i}: 'tools' must be a list of tool objects, with 'messages'")
-        out.append(BenchPrompt(str(obj.get("id", f"{obj['category']}-{i}")), obj["category"], obj.get("prompt"),
-                               obj.get("messages"), mt, grammar, obj.get("prediction") or None, tools or None))
+        out.append(BenchPrompt(str(obj.get("id", f"{obj['category']}-{i}")), obj["category"],
+                               obj["prefix"] if has_f else obj.get("prompt"), obj.get("messages"), mt, grammar,
+                               obj.get("prediction") or None, tools or None, suffix, extra))
     if not out:
         raise SpecDecodeError(f"{where} holds no prompts")
     return out
+
+
+def _fim_fields(obj: dict, has_prefix: bool, where: str) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """A line's (suffix, extra): (None, ()) without ``prefix``. Raises SpecDecodeError naming
+    ``where`` for a prefix or suffix that is not a string, a malformed extra file, and suffix or
+    extra without prefix."""
+    if not has_prefix:
+        if "suffix" in obj or "extra" in obj:
+            raise SpecDecodeError(f"{where}: 'suffix' and 'extra' make a fill-in-the-middle prompt: give them "
+                                  "with 'prefix' (the code before the cursor)")
+        return None, ()
+    suffix = obj.get("suffix", "")
+    if not isinstance(obj["prefix"], str) or not isinstance(suffix, str):
+        raise SpecDecodeError(f"{where}: 'prefix' and 'suffix' must be strings")
+    try:
+        return suffix, check_extra(obj.get("extra"))
+    except SpecDecodeError as e:
+        raise SpecDecodeError(f"{where}: {e}") from None
 
 
 def select_prompts(prompts: Sequence[BenchPrompt], categories: Iterable[str] | None = None,
