@@ -166,13 +166,14 @@ def test_openai_sdk_suffix_gives_the_middle_as_the_decoder_does(qwen, qwen_serve
 
 
 def test_suffix_on_a_model_without_fim_tokens_is_a_400_naming_both(smollm):
-    dec = Decoder(target=smollm, draft="none", progress=False)
+    # a Decoder of its own model: closing a Decoder closes its target (the session's stays open)
+    dec = Decoder(target="smollm2-135m-instruct", draft="none", n_ctx=512, progress=False)
     with ServerThread(create_app(dec, max_queue=2)) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=dec.target_name, prompt="def f(", suffix="):\n    pass\n", max_tokens=4)
         err = e.value.body
-        assert err["param"] == "suffix" and smollm.name in err["message"], err
+        assert err["param"] == "suffix" and dec.target.name in err["message"], err
         # An empty suffix (the cursor at the end of the file) is a plain completion there.
         r = client.completions.create(model=dec.target_name, prompt="def f(", suffix="", max_tokens=2, temperature=0)
         assert r.choices[0].text == dec.generate("def f(", max_tokens=2).text

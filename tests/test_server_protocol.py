@@ -479,7 +479,7 @@ def test_server_options_from_key_value_strings():
         assert e.value.param == param
 
 
-def test_a_requests_options_are_checked_once_per_choice(smollm, monkeypatch):
+def test_a_requests_options_are_checked_once_per_choice(monkeypatch):
     """Issue 44: the options are made (and checked) by the parse, then once per choice with its
     max_tokens, seed and inputs; the Decoder and the engine take them as they are."""
     from specdecode.api import Decoder
@@ -491,7 +491,8 @@ def test_a_requests_options_are_checked_once_per_choice(smollm, monkeypatch):
     assert len(made) == 1
     choices = [req.choice_options(i, 2) for i in range(req.n)]
     assert len(made) == 3 and choices[1].sampling.seed == 6
-    with Decoder(target=smollm, draft="ngram", progress=False) as dec:
+    # a Decoder of its own model: closing a Decoder closes its target (the session fixture's must stay open)
+    with Decoder(target="smollm2-135m-instruct", draft="ngram", n_ctx=512, progress=False) as dec:
         made.clear()
         dec.generate(prompt_ids=dec.prompt_ids("def f("), options=choices[0])
         assert made == []
