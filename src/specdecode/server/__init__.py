@@ -173,8 +173,9 @@ one checked object), :mod:`.apierror` (:class:`APIError`, the error answer), :mo
 :mod:`.tools` (the tool fields of a request), :mod:`.extensions` (prediction and speculative,
 and the usage details they add), :mod:`.toolcalls` (tool-call formats: their
 parser and grammar), :mod:`.metrics` (Prometheus), :mod:`.worker` (the generation
-thread), :mod:`.responses` (response bodies and stream chunks), :mod:`.app` (the FastAPI
-routes), :mod:`.ollama` (Ollama's API: :mod:`.ollama_protocol` its requests,
+thread), :mod:`.responses` (response bodies and stream chunks), :mod:`.responses_api` (OpenAI's
+Responses API: :mod:`.responses_tools` its tools, :mod:`.responses_store` its stored responses,
+:mod:`.responses_events` its answers), :mod:`.app` (the FastAPI routes), :mod:`.ollama` (Ollama's API: :mod:`.ollama_protocol` its requests,
 :mod:`.ollama_models` what it says of the model), :mod:`.cli` (the ``serve``
 subcommand), :mod:`.ray_serve` (``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
 import FastAPI, uvicorn or prometheus_client.

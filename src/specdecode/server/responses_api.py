@@ -12,10 +12,16 @@ developer, with ``input_text``/``output_text`` parts; ``function_call``;
 ``tools`` (type ``function`` only: a hosted tool is a 400 naming its type), ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema`` through
 the same grammars as ``response_format``), ``stream``, ``store`` and ``previous_response_id``
-(:class:`ResponseStore`, bounded, in memory), ``metadata``, ``user``, ``safety_identifier``,
-``prompt_cache_key`` (prefix reuse is automatic here); this server's ``speculative``,
-``seed`` and the request fields of drafter kinds (``prediction``). Fields that would ask for
-what is not served (``background: true``, ``reasoning`` effort, ``include`` of anything,
+(:class:`.responses_store.ResponseStore`, bounded, in memory), ``metadata``, ``user``, ``safety_identifier``,
+``prompt_cache_key`` (prefix reuse is automatic here), ``client_metadata`` (an object of
+strings, read and dropped); this server's ``speculative``, ``seed`` and the request fields of
+drafter kinds (``prediction``). ``tools`` and ``tool_choice`` are :mod:`.responses_tools`'
+(function and namespace tools; hosted ones left out of the prompt and listed in the response's
+``tools_left_out``). ``reasoning`` (any ``effort`` and ``summary``) is accepted and does
+nothing: the model reasons in its output or not at all, so no reasoning items are returned and
+``usage.output_tokens_details.reasoning_tokens`` is 0. ``include`` takes the values that ask
+for parts of items this server never produces (:data:`INCLUDE_NOTHING`). Fields that would ask
+for what is not served (``background: true``, ``include`` of ``message.output_text.logprobs``,
 ``truncation: "auto"``, ``conversation``) are 400s naming them.
 
 Pure: no FastAPI, no model.
@@ -23,10 +29,7 @@ Pure: no FastAPI, no model.
 
 from __future__ import annotations
 
-import json
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,22 +38,33 @@ from ..errors import SpecDecodeError
 from ..messages import check_messages, json_repr
 from .apierror import APIError
 from .protocol import GenRequest, parse_request
+from .responses_store import ResponseStore
+from .responses_tools import ToolSet, tool_choice, tool_set
 from .toolcalls import ToolCallFormat
 
-# What the store keeps: this many responses at most, and this many bytes of their JSON (the
-# response objects with every field they echo, and their conversations), the oldest forgotten first.
-STORE_MAX_RESPONSES = 1024
-STORE_MAX_BYTES = 64 * 2**20
+__all__ = ["ResponseStore", "ResponsesRequest", "parse_responses", "rename_error", "input_messages"]
 
 _FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "stream", "store", "previous_response_id", "metadata", "user",
-    "safety_identifier", "prompt_cache_key", "speculative", "seed",
+    "safety_identifier", "prompt_cache_key", "speculative", "seed", "reasoning", "include", "client_metadata",
 })
 # Standard fields accepted at the values that ask for nothing beyond what is served.
-_HARMLESS = {"background": (False,), "truncation": ("disabled",), "include": ([],), "reasoning": ({},),
+_HARMLESS = {"background": (False,), "truncation": ("disabled",),
              "service_tier": ("auto", "default"), "stream_options": ({}, {"include_obfuscation": False}),
              "top_logprobs": (0,), "max_tool_calls": ()}
+# include values that ask for parts of items this server never makes (reasoning, web search,
+# file search, code interpreter and computer items; input images are refused): with no such
+# item there is nothing to add, as on OpenAI when the model made none. Not here:
+# message.output_text.logprobs, which would ask for logprobs the output_text parts lack.
+INCLUDE_NOTHING = frozenset({
+    "reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results",
+    "file_search_call.results", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+})
+# reasoning's fields and their values (the Responses API reference, "reasoning").
+_REASONING = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+              "summary": ("auto", "concise", "detailed", "none"), "generate_summary": ("auto", "concise", "detailed")}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat-field names in errors -> the Responses fields they came from.
@@ -72,16 +86,19 @@ class ResponsesRequest:
     echo: dict
     history: list[dict]
     store: bool
+    tools: ToolSet
 
 
 def _error(message: str, param: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def rename_error(e: APIError, origin: list[str] | None = None, calls: list[list[str]] | None = None) -> APIError:
+def rename_error(e: APIError, origin: list[str] | None = None, calls: list[list[str]] | None = None,
+                 tools: list[str] | None = None) -> APIError:
     """The error with the chat fields it names (param and message) renamed to the Responses
     fields they came from; origin[i]: the input item of chat message i (None: not from input);
-    calls[i][j]: the function_call item of message i's tool call j."""
+    calls[i][j]: the function_call item of message i's tool call j; tools[j]: the tool
+    (``tools[4].tools[1]``) chat tool j came from."""
     def call(m: re.Match) -> str:
         i, j = int(m.group(1)), int(m.group(2))
         if calls is None or i >= len(calls) or j >= len(calls[i]):
@@ -95,6 +112,9 @@ def rename_error(e: APIError, origin: list[str] | None = None, calls: list[list[
     def rename(text: str | None) -> str | None:
         if text is None:
             return None
+        if tools is not None:
+            text = re.sub(r"\btools\[(\d+)\](?:\.function\b)?",
+                          lambda m: tools[int(m.group(1))] if int(m.group(1)) < len(tools) else m.group(0), text)
         for pattern, to in _RENAMES:
             text = pattern.sub(to, text)
         text = re.sub(r"\bmessages\[(\d+)\]\.tool_calls\[(\d+)\]((?:\.function)?\.\w+)?", call, text)
@@ -123,10 +143,11 @@ def _text(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def input_messages(value: Any) -> tuple[list[dict], list[str], list[list[str]]]:
+def input_messages(value: Any, tools: ToolSet | None = None) -> tuple[list[dict], list[str], list[list[str]]]:
     """``input`` as chat messages, for each the input item it came from ("input[2]"), and for
     each its tool calls' function_call items. Consecutive function_call items join one
-    assistant message (after the assistant text right before them, if any). Raises APIError
+    assistant message (after the assistant text right before them, if any); a function_call
+    with a ``namespace`` calls the name the model was shown for it (tools). Raises APIError
     (400) naming the item and field."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], ["input"], [[]]
@@ -149,7 +170,7 @@ def input_messages(value: Any) -> tuple[list[dict], list[str], list[list[str]]]:
             origin.append(where)
             calls.append([])
         elif kind == "function_call":
-            call = _function_call(item, where)
+            call = _function_call(item, where, tools or ToolSet())
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -172,12 +193,16 @@ def input_messages(value: Any) -> tuple[list[dict], list[str], list[list[str]]]:
     return messages, origin, calls
 
 
-def _function_call(item: dict, where: str) -> dict:
+def _function_call(item: dict, where: str, tools: ToolSet) -> dict:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
             raise _error(f"{where}.{key} must be a{' non-empty' if key != 'arguments' else ''} string, got "
                          f"{json_repr(item.get(key))}", f"{where}.{key}")
-    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    namespace = item.get("namespace")
+    if namespace is not None and not (isinstance(namespace, str) and namespace):
+        raise _error(f"{where}.namespace must be a non-empty string, got {json_repr(namespace)}", f"{where}.namespace")
+    name = tools.prompt_name(item["name"], namespace)
+    return {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": item["arguments"]}}
 
 
 def _check_no_calls(items: Any, model_name: str) -> None:
@@ -202,27 +227,33 @@ def _check_fields(body: dict) -> None:
                      + ". It honours: " + ", ".join(sorted(allowed)), name)
 
 
-def _tools(value: Any) -> Any:
-    """Responses tools ({"type": "function", "name", ...}) in the chat shape."""
-    if not isinstance(value, list):
-        return value  # the chat parser names the wrong type
-    out = []
-    for i, tool in enumerate(value):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise _error(f"tools[{i}].type = {json_repr(kind)} is not supported: this server runs no hosted tools, "
-                         'only tools of type "function" (the client runs them)', f"tools[{i}].type")
-        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    return out
-
-
-def _tool_choice(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "name"}:
-        return {"type": "function", "function": {"name": value["name"]}}
-    if value is None or isinstance(value, str):
-        return value
-    raise _error(f'tool_choice = {json_repr(value)} is not supported: expected "none", "auto", "required" or '
-                 '{"type": "function", "name": ...}', "tool_choice")
+def _check_accepted(body: dict) -> None:
+    """reasoning, include and client_metadata: accepted at the values that change nothing in
+    what this server answers (the module docstring); a 400 naming the field otherwise."""
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise _error(f"reasoning must be an object, got {json_repr(reasoning)}", "reasoning")
+        for key, value in reasoning.items():
+            if key not in _REASONING:
+                raise _error(f"reasoning.{key} is not a reasoning field: expected {', '.join(_REASONING)}",
+                             f"reasoning.{key}")
+            if value is not None and value not in _REASONING[key]:
+                raise _error(f"reasoning.{key} = {json_repr(value)} is not one of "
+                             f"{', '.join(json_repr(v) for v in _REASONING[key])}", f"reasoning.{key}")
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list):
+            raise _error(f"include must be a list of strings, got {json_repr(include)}", "include")
+        for i, value in enumerate(include):
+            if value not in INCLUDE_NOTHING:
+                raise _error(f"include[{i}] = {json_repr(value)} is not supported: this server adds nothing to its "
+                             "items (its output_text parts carry no logprobs); it accepts "
+                             + ", ".join(sorted(INCLUDE_NOTHING)) + ", which ask for items it never makes",
+                             f"include[{i}]")
+    meta = body.get("client_metadata")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _error(f"client_metadata must be an object of strings, got {json_repr(meta)}", "client_metadata")
 
 
 def _response_format(text: Any) -> Any:
@@ -241,75 +272,6 @@ def _response_format(text: Any) -> Any:
     return {"type": "json_schema", "json_schema": spec}
 
 
-class ResponseStore:
-    """Stored responses (``store``, the default, as OpenAI's): the response object and the
-    conversation a ``previous_response_id`` continues, kept in memory as their JSON text (so
-    that what is counted is what is held: every echoed field, ``text``'s schema, ``tools``,
-    ``instructions`` and ``metadata`` included), at most max_responses of them and max_bytes
-    bytes, ENTRY_BYTES counted per response besides its JSON, the oldest dropped first. A
-    response larger than max_bytes alone is not kept (:meth:`put` says so) and drops none.
-    Thread-safe."""
-
-    ENTRY_BYTES = 512  # what one entry holds besides its JSON: its id, the dict's slot, the objects
-
-    def __init__(self, max_responses: int = STORE_MAX_RESPONSES, max_bytes: int = STORE_MAX_BYTES) -> None:
-        self.max_responses = max_responses
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    @property
-    def held_bytes(self) -> int:
-        """The bytes the store counts now: its responses' JSON and ENTRY_BYTES each."""
-        with self._lock:
-            return self._bytes
-
-    @classmethod
-    def _size(cls, item: tuple[bytes, bytes]) -> int:
-        return len(item[0]) + len(item[1]) + cls.ENTRY_BYTES
-
-    def put(self, response: dict, history: list[dict]) -> bool:
-        """Keep a response object (by its ``id``) and the conversation after it, dropping the
-        oldest until both bounds hold. Returns False, keeping nothing and dropping nothing,
-        when this one response is larger than max_bytes alone."""
-        # ASCII JSON: a lone surrogate a client sent cannot fail the encoding, and every
-        # byte it takes is counted (an escaped character is counted as its escape).
-        item = (json.dumps(response, separators=(",", ":")).encode(),
-                json.dumps(history, separators=(",", ":")).encode())
-        size = self._size(item)
-        if size > self.max_bytes:
-            return False
-        with self._lock:
-            old = self._items.pop(response["id"], None)
-            self._bytes += size - (self._size(old) if old is not None else 0)
-            self._items[response["id"]] = item
-            while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
-                _, dropped = self._items.popitem(last=False)
-                self._bytes -= self._size(dropped)
-        return True
-
-    def response_json(self, response_id: str) -> bytes | None:
-        """The stored response object as JSON (UTF-8, ASCII only), None when it is not stored."""
-        with self._lock:
-            item = self._items.get(response_id)
-        return None if item is None else item[0]
-
-    def history(self, response_id: str) -> list[dict] | None:
-        """The conversation a follow-up of the response continues (fresh objects), None when
-        it is not stored."""
-        with self._lock:
-            item = self._items.get(response_id)
-        return None if item is None else json.loads(item[1])
-
-    def delete(self, response_id: str) -> bool:
-        with self._lock:
-            item = self._items.pop(response_id, None)
-            if item is not None:
-                self._bytes -= self._size(item)
-            return item is not None
-
-
 def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCallFormat | None,
                     store: ResponseStore, strict: bool = False) -> ResponsesRequest:
     """Validate a Responses body and translate it into the chat request it runs as
@@ -321,6 +283,7 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
     _check_fields(body)
+    _check_accepted(body)
     if body.get("input") is None:
         raise _error("input is required", "input")
     history: list[dict] = []
@@ -333,7 +296,8 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
                          f"{store.max_bytes // 2**20} MiB of their JSON), in memory, until it stops",
                          "previous_response_id")
         history = found
-    messages, origin, calls = input_messages(body["input"])
+    tools = tool_set(body.get("tools"))
+    messages, origin, calls = input_messages(body["input"], tools)
     if tool_format is None:
         _check_no_calls(body["input"], model_name)
     conversation = history + messages
@@ -360,7 +324,7 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
         raise _error("metadata must be an object of at most 16 string values (keys up to 64 characters, values up "
                      f"to 512), got {json_repr(metadata)}", "metadata")
     chat = {"model": body.get("model"), "messages": full, "max_completion_tokens": body.get("max_output_tokens"),
-            "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
+            "tools": tools.chat, "tool_choice": tool_choice(body.get("tool_choice"), tools),
             "response_format": _response_format(body.get("text")), "stream": body.get("stream"),
             "user": body.get("user")}
     for name in ("temperature", "top_p", "parallel_tool_calls", "speculative", "seed", *request_fields()):
@@ -369,11 +333,12 @@ def parse_responses(body: Any, model_name: str, n_ctx: int, tool_format: ToolCal
         req = parse_request({k: v for k, v in chat.items() if v is not None}, "chat", model_name, n_ctx, tool_format,
                             strict)
     except APIError as e:
-        raise rename_error(e, origin, calls) from None
+        raise rename_error(e, origin, calls, tools.origin) from None
     echo = {name: body.get(name) for name in ("instructions", "max_output_tokens", "previous_response_id",
                                               "user", "safety_identifier", "prompt_cache_key")}
     echo.update(metadata=metadata or {}, temperature=req.options.sampling.temperature,
                 top_p=req.options.sampling.top_p, tool_choice=body.get("tool_choice") or "auto",
                 tools=body.get("tools") or [], parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                text=body.get("text") or {"format": {"type": "text"}}, store=body.get("store") is not False)
-    return ResponsesRequest(req, echo, conversation, echo["store"])
+                text=body.get("text") or {"format": {"type": "text"}}, store=body.get("store") is not False,
+                tools_left_out=tools.left_out)
+    return ResponsesRequest(req, echo, conversation, echo["store"], tools)

@@ -39,8 +39,10 @@ def _message(item_id: str, text: str, status: str) -> dict:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def _call(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+def _call(item_id: str, call_id: str, names: dict, arguments: str, status: str) -> dict:
+    """A function_call item; names: its ``name`` (and ``namespace``, for a namespace's member:
+    :meth:`.responses_tools.ToolSet.call_fields`)."""
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, **names,
             "arguments": arguments}
 
 
@@ -60,7 +62,7 @@ class ResponseBuilder:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "background": False, "error": error, "incomplete_details": incomplete, "model": self.model_name,
-               "output": output, "truncation": "disabled", "reasoning": None,
+               "output": output, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
                "usage": usage(result) if result is not None else None, **self.rr.echo}
         if result is not None:
             out["speculation"] = self.speculation(result)
@@ -73,7 +75,9 @@ class ResponseBuilder:
     def history(self, output: list[dict]) -> list[dict]:
         """The conversation after this response: its input, then its output as one assistant message."""
         text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
-        calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+        names = self.rr.tools.prompt_name
+        calls = [{"id": it["call_id"], "type": "function",
+                  "function": {"name": names(it["name"], it.get("namespace")), "arguments": it["arguments"]}}
                  for it in output if it["type"] == "function_call"]
         message: dict = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
@@ -85,8 +89,8 @@ class ResponseBuilder:
         tools = self.rr.req.tools
         content, calls = (result.text, []) if tools is None else parse_message(result.text, tools.parser())
         output = [_message(_id("msg"), content or "", "completed")] if content or not calls else []
-        output += [_call(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-                   for c in calls]
+        output += [_call(_id("fc"), c["id"], self.rr.tools.call_fields(c["function"]["name"]),
+                         c["function"]["arguments"], "completed") for c in calls]
         return self.object(self.status_of(result), output, result)
 
 
@@ -119,7 +123,8 @@ class _Events:
             out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
                                   content_index=0, delta=part[1], logprobs=[]))
         elif part[0] == "call":
-            out += self.close() + self._add(_call(_id("fc"), part[2], part[3], "", "in_progress"))
+            names = self.builder.rr.tools.call_fields(part[3])
+            out += self.close() + self._add(_call(_id("fc"), part[2], names, "", "in_progress"))
         else:
             self.open["arguments"] += part[2]
             out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
