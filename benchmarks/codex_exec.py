@@ -1,0 +1,217 @@
+"""An agent, measured as it works: Codex CLI's `codex exec` on a small repository through `specdecode serve`.
+
+Codex CLI (https://github.com/openai/codex) speaks the Responses API. This script installs
+it from its npm package into a scratch folder (or takes ``--codex PATH``), makes a small git
+repository (``calc.py`` with ``add``; ``test_calc.py`` testing ``add`` and a ``multiply``
+that is not written yet), and for each side (speculation: the server's default ``--draft``
+or ``--draft``; plain: ``--draft none``) starts ``specdecode serve`` on the target, writes a
+``CODEX_HOME/config.toml`` whose provider points at it, and runs
+
+    codex exec --json --skip-git-repo-check --sandbox workspace-write "<TASK>"
+
+in a fresh copy of the repository. Codex runs unchanged: the config names only the provider
+(and a longer stream idle timeout, since a CPU's prefill of Codex's ~6,300-token first prompt
+takes minutes). Reported per side: whether the turn completed (Codex's ``turn.completed``
+event, not ``turn.failed`` or an ``error``), the tool calls it made (its ``command_execution``
+and ``file_change`` items: the command, its exit code), whether the tests pass afterwards, the
+wall time, the server's requests and tokens (``/metrics``) and any 4xx the server logged.
+
+    python benchmarks/codex_exec.py --target qwen2.5-coder-0.5b-instruct --ctx-size 16384
+
+needs node and npm (for the install) and prints the runs, then one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from specdecode.bench import cpu_name, free_port, serve_process
+
+CALC = "def add(a, b):\n    return a + b\n"
+TESTS = """import unittest
+
+from calc import add, multiply
+
+
+class TestCalc(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+
+    def test_multiply(self):
+        self.assertEqual(multiply(4, 5), 20)
+
+
+if __name__ == "__main__":
+    unittest.main()
+"""
+TASK = ("Add a function multiply(a, b) to calc.py that returns a * b, then run `python -m unittest` "
+        "to check that the tests pass.")
+
+
+def install_codex(folder: Path, version: str) -> Path:
+    """``npm install @openai/codex@VERSION`` into folder (skipped when it is there); the codex
+    binary's path. Raises SystemExit naming the failure when npm fails."""
+    binary = folder / "node_modules" / ".bin" / "codex"
+    if not binary.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["npm", "install", "--prefix", str(folder), f"@openai/codex@{version}"],
+                             capture_output=True, text=True)
+        if out.returncode != 0 or not binary.exists():
+            sys.exit(f"npm install @openai/codex@{version} failed:\n{out.stdout}{out.stderr}")
+    return binary
+
+
+def make_repo(path: Path) -> None:
+    """The task's repository: calc.py, test_calc.py, one commit."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    (path / "calc.py").write_text(CALC)
+    (path / "test_calc.py").write_text(TESTS)
+    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "calc"]):
+        subprocess.run(git + cmd, cwd=path, check=True)
+
+
+def write_config(home: Path, model: str, port: int, idle_timeout_s: int) -> None:
+    """A CODEX_HOME whose one provider is the server on port."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "specdecode"\n\n[model_providers.specdecode]\nname = "specdecode"\n'
+        f'base_url = "http://127.0.0.1:{port}/v1"\nwire_api = "responses"\n'
+        f"stream_idle_timeout_ms = {idle_timeout_s * 1000}\n")
+
+
+def read_events(text: str) -> dict:
+    """What Codex's ``--json`` events say: completed (a turn.completed and no turn.failed),
+    the tool calls (command and exit code, or a file change's paths), the errors, the last
+    agent message."""
+    calls, errors, message, completed, failed = [], [], None, False, False
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        kind = event.get("type")
+        item = event.get("item") or {}
+        completed |= kind == "turn.completed"
+        failed |= kind == "turn.failed"
+        if kind in ("error", "turn.failed"):
+            errors.append(event.get("message") or (event.get("error") or {}).get("message") or line)
+        if kind != "item.completed":
+            continue
+        if item.get("type") == "command_execution":
+            calls.append(f"{item.get('command')} -> {item.get('exit_code')}")
+        elif item.get("type") == "file_change":
+            calls.append("file_change " + ",".join(c.get("path", "?") for c in item.get("changes") or []))
+        elif item.get("type") == "agent_message":
+            message = item.get("text")
+        elif item.get("type") == "error":
+            errors.append(item.get("message"))
+    return {"completed": completed and not failed, "calls": calls, "errors": errors, "message": message}
+
+
+def _total(metrics: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith(f"specdecode:{name} ") or line.startswith(f"specdecode:{name}{{"))
+
+
+def run_side(args, codex: Path, work: Path, speculate: bool) -> dict:
+    """One side: its server started, codex exec run on a fresh repository, the server stopped."""
+    side = "spec" if speculate else "plain"
+    port, repo, home, log = free_port(), work / f"repo-{side}", work / f"codex-home-{side}", work / f"serve-{side}.log"
+    options = ["--ctx-size", str(args.ctx_size)] + (["--target", args.target] if args.target else [])
+    options += ["--draft", args.draft] if speculate and args.draft else [] if speculate else ["--draft", "none"]
+    make_repo(repo)
+    server = serve_process(options, port, log)
+    try:
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
+        write_config(home, model, port, args.idle_timeout)
+        before = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        env = {**os.environ, "CODEX_HOME": str(home)}
+        cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "--sandbox", args.sandbox, args.task]
+        start = time.perf_counter()
+        try:
+            out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=args.timeout,
+                                 stdin=subprocess.DEVNULL)
+            stdout, stderr, rc = out.stdout, out.stderr, out.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr, rc = _text(e.stdout), _text(e.stderr) + f"\ntimed out after {args.timeout} s", None
+        wall = time.perf_counter() - start
+        after = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    finally:
+        server.terminate()
+        server.wait(60)
+    (work / f"codex-{side}.jsonl").write_text(stdout)
+    (work / f"codex-{side}.stderr").write_text(stderr)
+    tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
+    delta = {name: _total(after, name) - _total(before, name) for name in
+             ("e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total")}
+    rejected = [line for line in log.read_text(errors="replace").splitlines()
+                if "/v1/" in line and re.search(r"\b4\d\d\b", line)]
+    return {"side": side, "model": model, "rc": rc, "wall_s": wall, "tests_pass": tests.returncode == 0,
+            "requests": int(delta["e2e_request_latency_seconds_count"]),
+            "prompt_tokens": int(delta["prompt_tokens_total"]), "generated_tokens": int(delta["generation_tokens_total"]),
+            "rejected": rejected[:5], **read_events(stdout)}
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--codex", default=None, help="a codex binary (default: npm-install @openai/codex into "
+                    "--codex-dir)")
+    ap.add_argument("--codex-version", default="latest", help="the npm version to install (default: %(default)s)")
+    ap.add_argument("--codex-dir", default=None, help="where to install it (default: <work>/codex-npm)")
+    ap.add_argument("--target", default=None, help="the server's --target (default: its default)")
+    ap.add_argument("--draft", default=None, help="the speculating server's --draft (default: its default, auto)")
+    ap.add_argument("--ctx-size", type=int, default=16384, help="the server's --ctx-size (default: %(default)s)")
+    ap.add_argument("--sides", default="spec,plain", help="which runs, in order: spec, plain (default: %(default)s)")
+    ap.add_argument("--task", default=TASK, help="the prompt codex exec gets")
+    ap.add_argument("--sandbox", default="workspace-write", help="codex exec --sandbox (default: %(default)s)")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds one codex exec may take (default: %(default)s)")
+    ap.add_argument("--idle-timeout", type=int, default=1800,
+                    help="the provider's stream_idle_timeout_ms, in seconds (default: %(default)s)")
+    ap.add_argument("--keep", default=None, help="folder for the repositories, configs and logs (default: a temp one)")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="codex-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    codex = Path(args.codex) if args.codex else install_codex(Path(args.codex_dir or work / "codex-npm"),
+                                                              args.codex_version)
+    version = subprocess.run([str(codex), "--version"], capture_output=True, text=True).stdout.strip()
+    results = []
+    for side in args.sides.split(","):
+        if side not in ("spec", "plain"):
+            sys.exit(f"--sides takes spec and plain, got {side!r}")
+        res = run_side(args, codex, work, side == "spec")
+        results.append(res)
+        print(json.dumps(res, indent=1), flush=True)
+    print(f"\n{version}, codex exec on a two-file repository through specdecode serve "
+          f"({results[0]['model'] if results else '?'}, --ctx-size {args.ctx_size}); {cpu_name()}, {os.cpu_count()} CPUs")
+    print("| side | turn completed | tool calls | tests pass | wall s | requests | prompt / generated tokens | 4xx |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['side']} | {r['completed']} | {len(r['calls'])}: {'; '.join(r['calls'])} | {r['tests_pass']} | "
+              f"{r['wall_s']:.0f} | {r['requests']} | {r['prompt_tokens']} / {r['generated_tokens']} | "
+              f"{len(r['rejected'])} |")
+    print(f"logs: {work}")
+
+
+if __name__ == "__main__":
+    main()
