@@ -75,6 +75,8 @@ BACKENDS = ("auto", "llama.cpp", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 
+# The context of a model that does not say what it was trained for, in tokens; any other
+# model's default context is its trained one, within memory (backends/context.py).
 DEFAULT_N_CTX = 4096
 # How a sampled generation verifies drafts. "gumbel": the target's token at each position is
 # the Gumbel-max choice with noise keyed by (seed, position), so a seed fixes the text at any

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
-from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
+from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
                      SAMPLING_RULES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MAX_THREADS, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
                      check_tree_width, check_max_tree_nodes, DEFAULT_TREE_NODES, DEFAULT_TREE_WIDTH, MAX_TREE_NODES)
@@ -82,7 +82,10 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                         "output; default: 0 = all)")
     if draft:
         add_tree_options(p)
-    p.add_argument("--ctx-size", type=int, default=DEFAULT_N_CTX, help="context window in tokens (default: %(default)s)")
+    p.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="context window in tokens of each slot (default: what the target was trained for, capped so "
+                        "that the KV caches of every slot and a draft model fit in half the memory available; a "
+                        "larger N is capped at the trained context with a warning). The choice is printed at start")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
@@ -138,7 +141,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     """Range checks that need no model (K, context size, threads); SpecDecodeError names the option."""
     if hasattr(args, "num_speculative_tokens"):
         check_num_speculative_tokens(args.num_speculative_tokens, "--num-speculative-tokens")
-    if args.ctx_size < MIN_N_CTX:
+    if args.ctx_size is not None and args.ctx_size < MIN_N_CTX:
         raise SpecDecodeError(f"--ctx-size {args.ctx_size} is out of range: expected >= {MIN_N_CTX}",
                               param="--ctx-size")
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:

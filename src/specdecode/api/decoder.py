@@ -16,10 +16,10 @@ from ..assembly import registry
 from ..backends.base import Backend, claim_backends, release_backends
 from ..backends.fim import FimBudget
 from ..control.calibration import Calibration
-from ..drafters.kinds import check_draft_options, resolve
+from ..drafters.kinds import MODEL, check_draft_options, kind_of, resolve
 from ..engine import Generation, drive
 from ..errors import SpecDecodeError
-from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, \
+from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, \
     check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
 from ..assembly.loading import load_backend, make_speculation
@@ -46,7 +46,11 @@ class Decoder:
         "auto" (default): the cost-aware controller chooses K in 0..AUTO_KMAX each step
         (:mod:`specdecode.control.controller`; both limits in :mod:`specdecode.limits`). With
         draft "auto" and an integer K, the controller chooses the drafter and K <= that K.
-    n_ctx: context window in tokens. n_threads: CPU threads (default: all cores).
+    n_ctx: context window in tokens of each slot. None (default): what the target was trained
+        for, capped so that the KV caches (every slot's, and a draft model's) fit in half the
+        memory available (:mod:`specdecode.backends.context`); an n_ctx past the trained context
+        is capped there. ``context`` says what was chosen and why (printed with progress).
+    n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
     draft_vocab: a torch draft model computes logits only for ids below this, the prompt's
@@ -92,7 +96,7 @@ class Decoder:
         target: str | Backend = registry.DEFAULT_TARGET,
         draft: str | Backend = "auto",
         num_speculative_tokens: int | str = "auto",
-        n_ctx: int = DEFAULT_N_CTX,
+        n_ctx: int | None = None,
         n_threads: int | None = None,
         progress: bool = True,
         backend: str = "auto",
@@ -125,9 +129,16 @@ class Decoder:
                                       f"needs as many", param="parallel")
             self.target = target
         else:
+            # Room in memory for a draft model's caches as large as the target's, where one may load.
+            reserve = 2.0 if choice.default_model or any(isinstance(n, str) and kind_of(n)[0] is MODEL
+                                                           for n in choice.names) else 1.0
             self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
                                        device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes),
-                                       kv_per_sequence=kv_per_sequence)
+                                       kv_per_sequence=kv_per_sequence, kv_reserve=reserve)
+        # What context the target holds and why (None for a loaded backend that does not say).
+        self.context = getattr(self.target, "context", None)
+        if progress and self.context is not None and not isinstance(target, Backend):
+            _say(("specdecode: warning: " if self.context.warning else "specdecode: ") + self.context.note)
         # What is measured between a server's requests (None: up front, as needed).
         self.calibration = Calibration(self.target, registry.cache_dir(), say=_say if progress else None) \
             if background_costs else None

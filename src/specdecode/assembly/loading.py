@@ -29,7 +29,7 @@ from ..drafters.tree import set_tree_options
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..limits import (AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE,
-                      DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, check_choice)
+                      DEFAULT_TREE_WIDTH, check_choice)
 from ..backends.vocab import fingerprint_serves
 
 
@@ -42,10 +42,15 @@ def backend_kind(name_or_path: str, backend: str = "auto") -> str:
     return "torch" if Path(name_or_path).expanduser().is_dir() else "llama.cpp"
 
 
-def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = None, n_threads: int | None = None,
                  dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True,
-                 n_seq: int = 1, trees: bool = False, kv_per_sequence: bool = False) -> Backend:
+                 n_seq: int = 1, trees: bool = False, kv_per_sequence: bool = False,
+                 kv_reserve: float = 1.0) -> Backend:
     """Load a model on the chosen backend.
+
+    n_ctx: tokens a sequence holds; None: what the model was trained for, within the memory
+    available (:mod:`specdecode.backends.context`; kv_reserve: the KV caches to fit, in units of
+    this model's, 2.0 leaving room for a draft model's; the backend's ``context`` says why).
 
     n_seq: sequences for concurrent generations (llama.cpp; the torch backend holds one
     and raises SpecDecodeError for more). trees: able to verify trees of drafts (llama.cpp:
@@ -61,7 +66,8 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int = DEFAULT_
     if kind == "llama.cpp":
         path = registry.resolve(name_or_path, progress=progress)
         return _known(LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq,
-                                      tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence))
+                                      tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence,
+                                      kv_reserve=kv_reserve))
     if n_seq != 1:
         raise SpecDecodeError(f"the torch backend serves one sequence at a time: {n_seq} parallel sequences "
                               f"(--parallel {n_seq}) need the llama.cpp backend (a GGUF model)", param="parallel")
@@ -84,7 +90,7 @@ def _known(backend: Backend) -> Backend:
     return backend
 
 
-def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int | None = None, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                  device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_seq: int = 1) -> Drafter:
     """The drafter that ``draft`` names (a row of :data:`specdecode.drafters.kinds.KINDS`:
@@ -102,7 +108,10 @@ def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int = DEFAULT_N
 
 
 def _build(draft: "str | Backend", target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
-    """The drafter of ``draft``'s kind; load_opts: :func:`load_backend`'s keywords for a draft model."""
+    """The drafter of ``draft``'s kind; load_opts: :func:`load_backend`'s keywords for a draft model
+    (n_ctx None: the target's context, so that drafts reach as far as the target does)."""
+    if load_opts["n_ctx"] is None:
+        load_opts = {**load_opts, "n_ctx": target.n_ctx}
     kind, arg = kind_of(draft)
     return kind.build(DraftRequest(target, arg, lambda name: name if isinstance(name, Backend) else
                                    load_backend(name, **load_opts), draft_vocab))
@@ -127,7 +136,7 @@ def is_default_draft(target: Backend) -> bool:
     return path is not None and Path(path).resolve() == registry.cached_path(spec).resolve()
 
 
-def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KMAX, n_ctx: int = DEFAULT_N_CTX,
+def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KMAX, n_ctx: int | None = None,
                     n_threads: int | None = None, progress: bool = True, backend: str = "auto",
                     dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0,
                     n_seq: int = 1) -> Drafter:
@@ -144,7 +153,7 @@ def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KM
                                             dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
 
 
-def make_speculation(choice: Choice, target: Backend, n_ctx: int = DEFAULT_N_CTX, n_threads: int | None = None,
+def make_speculation(choice: Choice, target: Backend, n_ctx: int | None = None, n_threads: int | None = None,
                      progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                      device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_slots: int = 1,
                      max_tree_nodes: int | None = None, tree_width: int = DEFAULT_TREE_WIDTH,

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import MAX_THREADS, MIN_N_CTX, check_text
 from .base import BackendBase, HiddenRows, SeqForward
+from .context import available_memory, choose_context, llama_kv_bytes
 from .llama_heads import numpy_heads
 from .llama_tree import forward_tree, keep_rows
 from .llama_vocab import control_token_ids, read_eog, read_fim_tokens
@@ -27,11 +28,12 @@ MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 class LlamaCppBackend(BackendBase):
     """One GGUF model on llama.cpp, with a KV cache of n_seq sequences.
 
-    path: GGUF file. n_ctx: context window in tokens of each sequence (default 4096,
-    capped at the model's training context). n_threads: CPU threads (default: the
-    machine's cores). n_batch: most tokens per llama_decode call; longer forwards are
-    split. n_seq: sequences (llama.cpp sequence ids 0..n_seq-1) for concurrent
-    generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
+    path: GGUF file. n_ctx: context window in tokens of each sequence (None, the default: what
+    the model was trained for, within the memory available; never past that; kv_reserve: the
+    caches to fit, in units of this one's: :mod:`.context`; ``context`` says why). n_threads:
+    CPU threads (default: the machine's cores). n_batch: most tokens per llama_decode call;
+    longer forwards are split. n_seq: sequences (llama.cpp sequence ids 0..n_seq-1) for
+    concurrent generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
 
     The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a batch
     whose sequences bring different numbers of tokens stays one ubatch. kv_per_sequence: a
@@ -52,13 +54,14 @@ class LlamaCppBackend(BackendBase):
     def __init__(
         self,
         path: str | Path,
-        n_ctx: int = 4096,
+        n_ctx: int | None = None,
         n_threads: int | None = None,
         n_batch: int = 512,
         name: str | None = None,
         n_seq: int = 1,
         tree_branches: int = 0,
         kv_per_sequence: bool = False,
+        kv_reserve: float = 1.0,
     ) -> None:
         init_llama()
         import llama_cpp
@@ -66,7 +69,7 @@ class LlamaCppBackend(BackendBase):
         self._lib = llama_cpp
         self.path = Path(path)
         self.name = name or self.path.name
-        if n_ctx < MIN_N_CTX:
+        if n_ctx is not None and n_ctx < MIN_N_CTX:
             raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= {MIN_N_CTX}", param="n_ctx")
         n_threads = default_threads() if n_threads is None else n_threads
         if not 1 <= n_threads <= MAX_THREADS:
@@ -93,9 +96,9 @@ class LlamaCppBackend(BackendBase):
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
-        if n_ctx_train > 0:
-            n_ctx = min(n_ctx, n_ctx_train)
+        trained, kv_bytes = int(llama_cpp.llama_model_n_ctx_train(model)), llama_kv_bytes(llama_cpp, model)
+        self.context = choose_context(n_ctx, trained, kv_bytes, n_seq, self.name, available_memory(), kv_reserve)
+        n_ctx = self.context.n_ctx
         self._n_batch = max(1, min(n_batch, n_ctx))
         self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import ModelFileError, SpecDecodeError
 from ..limits import DTYPES
 from .base import BackendBase, HiddenRows, SeqForward, residual_heads
+from .context import torch_context
 from .fim import FimTokens
 from .torch_setup import gguf_dequantize_config, import_torch, prefix_static_cache, resolve_device
 
@@ -33,13 +34,14 @@ class TorchBackend(BackendBase):
     Build with :meth:`load` (a Hugging Face folder or a GGUF file, dequantized by
     transformers) or directly from a model and tokenizer already in memory.
     model: a transformers causal LM. tokenizer: its tokenizer (needed for text; without
-    one, token i renders as "<i>"). n_ctx: positions preallocated in the cache.
+    one, token i renders as "<i>"). n_ctx: positions preallocated in the cache (None: what the
+    model was trained for within the memory available, :func:`.context.torch_context`).
     """
 
     supports_greedy_draft = True
     supports_hidden_states = True
 
-    def __init__(self, model, tokenizer=None, n_ctx: int = 4096, name: str = "torch-model") -> None:
+    def __init__(self, model, tokenizer=None, n_ctx: int | None = None, name: str = "torch-model") -> None:
         torch, transformers = import_torch()
         self._torch = torch
         self.model = model.eval()
@@ -47,9 +49,8 @@ class TorchBackend(BackendBase):
         # A fast (Rust) tokenizer encodes from any thread (encode borrows it immutably).
         self.thread_safe_tokenizer = bool(getattr(tokenizer, "is_fast", False))
         self.name = name
-        max_pos = getattr(model.config, "max_position_embeddings", None)
-        if max_pos:
-            n_ctx = min(n_ctx, int(max_pos))
+        self.context = torch_context(n_ctx, model.config, getattr(model.dtype, "itemsize", 4), name)  # why this n_ctx
+        n_ctx = self.context.n_ctx
         if n_ctx < 2:
             raise SpecDecodeError(f"n_ctx = {n_ctx} is out of range: expected n_ctx >= 2")
         self._n_ctx = n_ctx
@@ -66,7 +67,7 @@ class TorchBackend(BackendBase):
         self._subset: tuple | None = None  # (ids [S] long, weight rows [S, H], bias [S] or None)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", n_ctx: int = 4096,
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", n_ctx: int | None = None,
              name: str | None = None) -> "TorchBackend":
         """Load a Hugging Face folder, or a .gguf file through transformers' GGUF support.
 

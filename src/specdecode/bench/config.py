@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..assembly import registry
 from ..errors import SpecDecodeError
-from ..limits import (DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_N_CTX, DEFAULT_TREE_WIDTH, check_max_tree_nodes,
+from ..limits import (DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, check_max_tree_nodes,
                       check_tree_width)
 from ..sampling import SamplingParams
 from .load import BackgroundLoad
@@ -32,7 +32,8 @@ class BenchConfig:
         many prompts per category (None: all).
     max_tokens: completion cap in tokens for prompts without their own.
     sampling: the sampling settings of every run (parity is checked only when greedy).
-    n_ctx: context window in tokens. n_threads: CPU threads (None: all cores).
+    n_ctx: context window in tokens (None: the Decoder's default, the target's trained context
+        within memory). n_threads: CPU threads (None: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch"; dtype, device: for the torch
         backend; draft_vocab: see :class:`specdecode.drafters.ModelDrafter` (0 = all).
     peer: also time the peers. progress: progress bars on stderr.
@@ -60,7 +61,7 @@ class BenchConfig:
     per_category: int | None = None
     max_tokens: int = DEFAULT_BENCH_MAX_TOKENS
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=0))
-    n_ctx: int = DEFAULT_N_CTX
+    n_ctx: int | None = None
     n_threads: int | None = None
     backend: str = "auto"
     draft_backend: str = "auto"

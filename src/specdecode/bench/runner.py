@@ -147,7 +147,7 @@ def _start_peers(config: BenchConfig, target: Backend, engines: dict[str, Specul
     free = [p for p in prompts if p.grammar is None]  # the prompts a peer can run
     peer, note, assisted = None, None, False
     if config.peer and free:
-        peer, note, assisted = start_peer(target, config.target, engines, config.n_ctx, ids_of(free[0]))
+        peer, note, assisted = start_peer(target, config.target, engines, target.n_ctx, ids_of(free[0]))
     if config.peer and len(free) < len(prompts):
         skipped = (f"skipped on {len(prompts) - len(free)} of {len(prompts)} prompts, those with a grammar "
                    "(peers cannot constrain output)")

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import SpecDecodeError
-from ..limits import DEFAULT_N_CTX, MAX_PARALLEL
+from ..limits import MAX_PARALLEL
 from ..parity import NEAR_TIE_GAP
 from .suite import BenchPrompt, load_prompts, select_prompts
 
@@ -49,7 +49,7 @@ class ServeBenchConfig:
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "auto"
     num_speculative_tokens: int | str = "auto"
-    n_ctx: int = DEFAULT_N_CTX
+    n_ctx: int | None = None  # None: the Decoder's default (the trained context within memory)
     n_threads: int | None = None
     slots: tuple[int, ...] = (1, 8)
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
