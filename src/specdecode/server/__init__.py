@@ -162,6 +162,13 @@ Client input that is no text is a 400, never a 500: a string or field name holdi
 lone surrogate (a ``\\ud800`` escape without its pair: param names the field, e.g.
 ``messages[0].content``), or arrays and objects nested deeper than 64 levels.
 
+Starting up (:mod:`.loading`): ``specdecode serve`` binds its port at once and loads the
+models on a thread of its own; until they are loaded every request is answered 503 with
+``Retry-After`` and a JSON body that says so (code model_loading; on /health, status
+"loading"; under /api/ Ollama's shape), after the Host and Origin checks. SIGINT or SIGTERM
+while loading stops the server (status 0 for SIGTERM), and a load that fails ends it with the
+one error line, as before.
+
 Shutdown (SIGINT, SIGTERM to ``specdecode serve``): the server stops taking connections
 and at once stops every generation: waiting and running requests are answered 503 (a
 stream ends with an error chunk and ``data: [DONE]``), and the process exits (status 0
@@ -176,8 +183,8 @@ parser and grammar), :mod:`.metrics` (Prometheus), :mod:`.worker` (the generatio
 thread), :mod:`.responses` (response bodies and stream chunks), :mod:`.responses_api` (OpenAI's
 Responses API: :mod:`.responses_tools` its tools, :mod:`.responses_store` its stored responses,
 :mod:`.responses_events` its answers), :mod:`.app` (the FastAPI routes), :mod:`.ollama` (Ollama's API: :mod:`.ollama_protocol` its requests,
-:mod:`.ollama_models` what it says of the model), :mod:`.cli` (the ``serve``
-subcommand), :mod:`.ray_serve` (``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
+:mod:`.ollama_models` what it says of the model), :mod:`.loading` (the answers while the
+models load), :mod:`.cli` (the ``serve`` subcommand), :mod:`.ray_serve` (``specdecode serve --replicas``: replicas on Ray Serve). Importing this package does not
 import FastAPI, uvicorn or prometheus_client.
 """
 

@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 from types import FrameType
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import SpecDecodeError
 from ..options import add_model_options, add_parallel_option, check_model_args, decoder_from_args, decoder_kwargs
@@ -62,17 +62,20 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Handler of ``specdecode serve``: load the pair, then serve until interrupted.
+    """Handler of ``specdecode serve``: bind the port, answer 503 while the pair loads on a
+    thread of its own (:mod:`.loading`), then serve until interrupted.
 
-    Returns the exit status (0). Raises SpecDecodeError naming the option for an
-    out-of-range --port, --max-queue, --max-body-bytes, --metrics-port or --replicas, an
-    empty --api-key, or any model option (before loading anything), and for models that
-    cannot be loaded.
+    Returns the exit status (0; also after SIGTERM, while loading too). Raises SpecDecodeError
+    naming the option for an out-of-range --port, --max-queue, --max-body-bytes, --metrics-port
+    or --replicas, an empty --api-key, or any model option (before binding the port), and for
+    models that cannot be loaded (once the server has stopped again); KeyboardInterrupt for
+    SIGINT.
     """
     import uvicorn
 
     from .app import create_app
     from .connection import http_protocol
+    from .loading import LoadingApp
 
     options = ServerOptions.from_args(args, api_key_from(args))
     check_listen_address(options.host, options.port)
@@ -91,17 +94,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if options.metrics_port is not None:
         raise SpecDecodeError("--metrics-port applies to Ray Serve replicas (--replicas or --autoscaling); a single "
                               "server serves its metrics at /metrics", param="--metrics-port")
-    with decoder_from_args(args, progress=True) as dec:
-        app = create_app(dec, options)
+    check_model_args(args)  # a bad model option is named before the port is bound
+    where = f"http://{options.host}:{options.port}"
+    loaded: dict = {}
+
+    def load() -> Any:  # on the loader thread, while the port answers 503 (server.loading)
+        loaded["decoder"] = decoder_from_args(args, progress=True)
+        return create_app(loaded["decoder"], options)
+
+    def ready() -> None:
         print(f"specdecode: serving {args.target!r} (draft {args.draft!r}, K={args.num_speculative_tokens}, "
-              f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on http://{options.host}:{options.port}/v1",
-              flush=True)
+              f"{args.parallel} slot{'s' if args.parallel > 1 else ''}) on {where}/v1", flush=True)
         if options.ui:
-            print(f"specdecode: the page: http://{options.host}:{options.port}/", flush=True)
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                                http=http_protocol(options.header_timeout))
-        worker = app.state.worker
-        _server_class()(config, on_exit=lambda: worker.stop(timeout=0)).run()
+            print(f"specdecode: the page: {where}/", flush=True)
+
+    loading = LoadingApp(load, options.model_name or args.target, options, on_ready=ready,
+                         on_failed=lambda e: setattr(server, "should_exit", True),
+                         stop=lambda app: app.state.worker.stop(timeout=0))
+    config = uvicorn.Config(loading, host=options.host, port=options.port, log_level="info",
+                            http=http_protocol(options.header_timeout))
+    server = _server_class()(config, on_exit=loading.closing)
+    print(f"specdecode: loading {args.target!r}; {where} answers 503 (model_loading) until it is ready", flush=True)
+    try:
+        server.run()
+    finally:
+        loading.join()  # a load still running when the server stopped (llama.cpp cannot be interrupted)
+        if "decoder" in loaded:
+            loaded["decoder"].close()
+    if loading.error is not None:
+        raise loading.error  # one line from the CLI, as a load before the server started gave
     return 0
 
 
