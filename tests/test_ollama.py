@@ -191,12 +191,14 @@ def test_an_error_after_the_stream_began_is_its_last_line():
         events = asyncio.Queue()
 
     p = OllamaRequest("generate", SCRIPT, generate({"prompt": "x"}).req)
+    Job.events.put_nowait(("delta", (0, "He", None, None)))
     Job.events.put_nowait(("error", APIError(400, "max_tokens = 3 is wrong", param="max_tokens")))
 
     async def lines() -> list[dict]:
-        return [json.loads(line) async for line in _stream(_Answer(p, 0.0), Job, ("delta", (0, "He", None, None)))]
+        return [json.loads(line) async for line in _stream(_Answer(p, 0.0), Job)]
 
-    first, last = asyncio.run(lines())
+    opening, first, last = asyncio.run(lines())
+    assert opening["response"] == "" and not opening["done"]  # sent before the prompt is read
     assert first["response"] == "He" and not first["done"]
     assert last == {"error": "options.num_predict = 3 is wrong"}
 

@@ -92,9 +92,11 @@ def test_a_stream_nobody_reads_is_ended_after_the_bound_and_frees_its_slot():
             loop = asyncio.get_running_loop()
             job = stream_job(app, loop, max_tokens=1000)
             assert worker.submit(job)
-            while not (job.events.qsize() == 12 and worker.running() == 0):  # counted, the wait only bounded
+            # "started" (the stream opens), ten deltas, the eleventh over the bound, the error.
+            while not (job.events.qsize() == 13 and worker.running() == 0):  # counted, the wait only bounded
                 assert time.monotonic() < deadline, f"{job.events.qsize()} events, {worker.running()} running"
                 await asyncio.sleep(0.01)
+            assert job.events.get_nowait()[0] == "started"
             events = [job.events.get_nowait() for _ in range(12)]
             assert job.events.unread == 0
             after = stream_job(app, loop, max_tokens=3, stream=False)
@@ -136,6 +138,7 @@ def test_a_stream_read_as_it_comes_is_never_cut():
         async def go():
             jobs.append(stream_job(app, asyncio.get_running_loop(), max_tokens=60))
             assert worker.submit(jobs[0])
+            assert (await asyncio.wait_for(jobs[0].events.get(), WAIT))[0] == "started"  # the stream opens
             events = []
             while not events or events[-1][0] == "delta":
                 events.append(await asyncio.wait_for(jobs[0].events.get(), WAIT))

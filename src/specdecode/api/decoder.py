@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import sys
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 
 from ..assembly import registry
@@ -261,11 +261,12 @@ class Decoder:
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
               prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,
-              **fields) -> Generation:
+              accepted: Callable[[], None] | None = None, **fields) -> Generation:
         """Start a generation in a free slot (arguments as :meth:`stream`) for batched
         stepping: ``deltas = decoder.step([g1, g2, ...])`` advances every running
         generation by one shared forward; when ``g.done``, ``decoder.end(g)`` returns its
-        last delta (if any) and its GenerationResult and frees the slot.
+        last delta (if any) and its GenerationResult and frees the slot. accepted: called
+        once the options are accepted, right before the prompt is read (the engine's begin).
         Raises SpecDecodeError for bad options, a prompt that does not fit, or no free slot.
         """
         ids, options = self._request(prompt, messages, prompt_ids, options, fields)
@@ -284,7 +285,7 @@ class Decoder:
                 self.check_open()
             if self.calibration is not None:
                 options = self.calibration.before_generation(options)
-            gen = self.engine.begin(ids, options)
+            gen = self.engine.begin(ids, options, accepted=accepted)
             self._owners[gen] = me
             return gen
 

@@ -101,12 +101,14 @@ class SpeculativeEngine:
         yield from drive(self.begin(prompt_ids, options, drafter=drafter, **fields), self.step, self.end)
 
     def begin(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
-              drafter: Drafter | None = None, slot: int | None = None, **fields) -> Generation:
+              drafter: Drafter | None = None, slot: int | None = None,
+              accepted: Callable[[], None] | None = None, **fields) -> Generation:
         """Start a generation (options as :meth:`stream`) in a free slot: the given one, else
         the free slot whose cached tokens share the longest prefix with the prompt (least
         recently used among equals) where that prefix is at least SLOT_REUSE_SHARE of the
         prompt, else the least recently used free slot; its prompt is prefilled there (reusing
-        the prefix it shares).
+        the prefix it shares). accepted: called once every option has been accepted, right
+        before the prompt is read (a server opens its stream there, ahead of a long prefill).
 
         Raises SpecDecodeError for bad options or when no slot is free,
         ContextOverflowError when the prompt does not fit.
@@ -147,9 +149,11 @@ class SpeculativeEngine:
         out.stats.num_speculative_tokens, out.stats.max_tree_nodes = K, gen.tree_nodes
         out.stats.strict = gen.invariant and options.batch_invariant == "on"
         gen.drafter.start(prompt_ids, sampler)
-        out.stats.prompt_cached = self._prefill(where, gen.committed, gen.drafter)
         if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free
             gen.drafter.configure(choice.drafting)
+        if accepted is not None:
+            accepted()
+        out.stats.prompt_cached = self._prefill(where, gen.committed, gen.drafter)
         where.gen = gen
         self._uses += 1
         where.last_used = self._uses

@@ -222,14 +222,12 @@ class _Routes:
         first = await self._first_events(request, job)
         if not isinstance(first, list):
             return first
-        event = first[-1]
-        if event[0] == "error":
-            raise event[1]
-        if not req.stream:
-            choices = [e[1] for e in first]
-            return JSONResponse(full_response(kind, self.model_name, choices, self.speculation, req.tools))
-        return closing_stream(stream(kind, self.model_name, req, job, event, self.speculation),
-                                     on_close=lambda: self.worker.cancel(job))
+        if first[-1][0] == "error":
+            raise first[-1][1]
+        if req.stream:
+            return closing_stream(stream(kind, self.model_name, req, job, None, self.speculation),
+                                  on_close=lambda: self.worker.cancel(job))
+        return JSONResponse(full_response(kind, self.model_name, [e[1] for e in first], self.speculation, req.tools))
 
     async def infill(self, request: Request) -> Response:
         """llama.cpp's ``POST /infill`` (:mod:`.infill`)."""
@@ -253,12 +251,6 @@ class _Routes:
         except APIError as e:
             raise rename_error(e) from None
         rr = parsed[0]
-        first = await self._first_events(request, job)
-        if not isinstance(first, list):
-            return first
-        event = first[-1]
-        if event[0] == "error":
-            raise rename_error(event[1])
         builder = ResponseBuilder(rr, self.model_name, self.speculation)
 
         def keep(response: dict) -> None:
@@ -266,11 +258,16 @@ class _Routes:
             if rr.store and not self.store.put(response, builder.history(response["output"])):
                 response["store"] = False
 
-        if not rr.req.stream:
-            response = builder.full(event[1][1])
-            keep(response)
-            return JSONResponse(response)
-        return closing_stream(stream_events(builder, job, event, keep), on_close=lambda: self.worker.cancel(job))
+        first = await self._first_events(request, job)
+        if not isinstance(first, list):
+            return first
+        if first[-1][0] == "error":
+            raise rename_error(first[-1][1])
+        if rr.req.stream:
+            return closing_stream(stream_events(builder, job, None, keep), on_close=lambda: self.worker.cancel(job))
+        response = builder.full(first[-1][1][1])
+        keep(response)
+        return JSONResponse(response)
 
     async def stored_response(self, request: Request) -> Response:
         """``GET`` (the object) or ``DELETE`` a stored response; 404 naming the id when it is not stored."""
@@ -288,15 +285,16 @@ class _Routes:
         return Response(found, media_type="application/json")
 
     async def _first_events(self, request: Request, job: Job) -> list | Response:
-        """The job's first event (a stream's) or every choice (a full response), in order;
-        an error event ends the list. A 499 Response when the client leaves first."""
+        """Every choice of a full response, in order, or a stream's first event ("started":
+        its generation's options were accepted and its prompt is about to be read, so the
+        stream opens before the prefill, and an error found when the generation begins still
+        gets its 4xx status); an error event ends the list. A 499 Response when the client
+        leaves first."""
         from fastapi.responses import Response
 
         req = job.req
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            # Streams wait for the first event too, so that errors found when the prompt
-            # is tokenized still get a 4xx status rather than an error inside a 200 stream.
             events = [await _next_event(job, disconnect)]
             while not req.stream and events[-1][0] == "choice" and len(events) < req.n:
                 events.append(await _next_event(job, disconnect))

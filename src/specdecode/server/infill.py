@@ -368,6 +368,6 @@ async def serve(routes: Any, request: Any, sse_class: Any) -> Any:
         return first
     if first[-1][0] == "error":
         raise infill_error(first[-1][1])
-    if not job.req.stream:
-        return JSONResponse(answer.body([event[1] for event in first]))
-    return sse_class(stream_infill(answer, job, first[-1]), on_close=lambda: routes.worker.cancel(job))
+    if job.req.stream:
+        return sse_class(stream_infill(answer, job, None), on_close=lambda: routes.worker.cancel(job))
+    return JSONResponse(answer.body([event[1] for event in first]))

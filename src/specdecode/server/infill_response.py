@@ -129,13 +129,17 @@ def _event(obj: dict, name: str = "data") -> str:
     return f"{name}: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def stream_infill(answer: InfillAnswer, job: Job, first: tuple[str, Any]) -> AsyncIterator[str]:
+async def stream_infill(answer: InfillAnswer, job: Job, first: tuple[str, Any] | None) -> AsyncIterator[str]:
     """The stream as llama.cpp sends it: ``data: {...}`` events with each piece of ``content``
     and ``stop`` false, then per completion its result object with ``stop`` true, content ""
     and the timings; no ``[DONE]``. An error after the first event is an ``error: {...}``
-    event, as llama.cpp's, and ends the stream."""
+    event, as llama.cpp's, and ends the stream. With first None the stream opens at once, before
+    the prompt is read, with an empty piece of content."""
     n_prompt = len(job.prepared.ids) if job.prepared is not None else None
     done, event = 0, first
+    if event is None:
+        yield _event(answer.partial(0, "", n_prompt, None))
+        event = await job.events.get()
     while True:
         kind, value = event
         if kind == "error":

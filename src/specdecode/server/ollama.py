@@ -168,10 +168,11 @@ class _Answer:
         return tail + [self.final(result)]
 
 
-async def _stream(answer: _Answer, job: Job, first: tuple[str, Any]) -> AsyncIterator[str]:
-    """The NDJSON lines of a stream: a chunk per delta, then the last object; an error event
-    is the last line ({"error": ...})."""
-    event = first
+async def _stream(answer: _Answer, job: Job) -> AsyncIterator[str]:
+    """The NDJSON lines of a stream: an empty chunk at once (before the prompt is read), a chunk
+    per delta, then the last object; an error event is the last line ({"error": ...})."""
+    yield _line(answer.chunk(""))
+    event = await job.events.get()
     while True:
         kind, value = event
         if kind == "error":
@@ -238,8 +239,8 @@ class OllamaRoutes:
 
     async def _run(self, request: Request, endpoint: str) -> Response:
         """One generation request: parsed, queued on the worker as a job, answered whole or
-        as an NDJSON stream (the first event awaited first, so that an error found when the
-        prompt is prepared or tokenized still gets its status)."""
+        as an NDJSON stream (opened once the generation's options are accepted, before its prompt is
+        read: an error found until then still gets its status)."""
         from fastapi.responses import JSONResponse
 
         parsed: list[OllamaRequest] = []
@@ -259,14 +260,14 @@ class OllamaRoutes:
         except APIError as e:
             raise rename_error(e, endpoint, parsed[0].system) if parsed else e from None
         p = parsed[0]
+        answer = _Answer(p, job.arrival)
         first = await self.routes._first_events(request, job)
         if not isinstance(first, list):
             return first  # the client left (499)
         event = first[-1]
         if event[0] == "error":
             raise rename_error(event[1], endpoint, p.system)
-        answer = _Answer(p, job.arrival)
-        if not p.req.stream:
-            return JSONResponse(answer.whole(event[1][1]))
-        return closing_stream(_stream(answer, job, event), on_close=lambda: self.worker.cancel(job),
-                              media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+        if p.req.stream:
+            return closing_stream(_stream(answer, job), on_close=lambda: self.worker.cancel(job),
+                                  media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(answer.whole(event[1][1]))

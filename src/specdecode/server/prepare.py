@@ -15,6 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from ..backends.fim import FimBudget, FimInput
+from ..control.invariance import check_strict_allowed
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from .apierror import APIError, from_specdecode_error
@@ -82,7 +83,7 @@ class Preparer:
     def prepare(self, req: GenRequest) -> Prepared:
         """Tokenize a request's prompt (chat template and tools included) and each request-fed
         input (a prediction), settle its max_tokens and compile its grammar (kept in the
-        grammar cache for the worker): the work a request brings, done before it is queued, so
+        grammar cache for the worker) and check that strict mode may run: the work a request brings, done before it is queued, so
         that a long prompt or prediction or a new schema costs its own request time, not its
         neighbours' steps. Raises APIError 400 for what the request got wrong: a prompt that
         does not fit, a template that refuses the messages, a grammar that does not compile,
@@ -105,6 +106,8 @@ class Preparer:
             inputs = {name: self._input_ids(name, text) for name, text in req.inputs.items()}
             if req.options.grammar is not None:
                 check_grammar(req.options.grammar, self.decoder.target)
+            if req.options.batch_invariant == "on":  # found here, a 400, not inside a stream already open
+                check_strict_allowed(self.decoder.target)
         except (SpecDecodeError, TemplateError) as e:
             raise request_error(e, req) from None
         return Prepared(ids, max_tokens, {name: ids for name, ids in inputs.items() if ids})

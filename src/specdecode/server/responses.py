@@ -131,7 +131,7 @@ class _Choices:
         return out + [self.chunk(index, {} if self.chat else "", finish=reason, logprobs=logprobs)]
 
 
-async def stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any],
+async def stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any] | None,
                  speculation: Callable[[Any], dict]) -> AsyncIterator[str]:
     """The SSE chunks of a stream, choice after choice (each opened, for chat, by its role
     chunk and closed by its finish_reason chunk); then, as OpenAI does, with
@@ -146,6 +146,12 @@ async def stream(kind: str, model_name: str, req: GenRequest, job: Job, first: t
     choices = _Choices(kind, head, req.tools)
     results: list = []
     event = first
+    if event is None:
+        # The stream opens before the prompt is read (a long prefill takes minutes on a CPU):
+        # chat's role chunk, a completion's empty text, then the job's events.
+        for c in choices.open(0) if choices.chat else [choices.chunk(0, "")]:
+            yield sse(c)
+        event = await job.events.get()
     while True:
         kind_, value = event
         if kind_ == "error":

@@ -164,18 +164,20 @@ class _Events:
         return out
 
 
-async def stream_events(builder: ResponseBuilder, job: Job, first: tuple[str, Any],
+async def stream_events(builder: ResponseBuilder, job: Job, first: tuple[str, Any] | None,
                         on_done: Callable[[dict], None]) -> AsyncIterator[str]:
     """The stream of one response: created, in_progress, the items' events as the text comes
     (a message's text deltas, a call's argument deltas), then completed (or incomplete, or,
-    after an error, an ``error`` event and failed); on_done(response object) when it completes."""
+    after an error, an ``error`` event and failed); on_done(response object) when it completes.
+    created and in_progress go out at once, before the prompt is read (first None: the
+    job's first event is awaited after them)."""
     events = _Events(builder)
     start = builder.object("in_progress", [])
     yield events.event("response.created", response=start)
     yield events.event("response.in_progress", response=start)
     tools = builder.rr.req.tools
     parser = tools.parser() if tools is not None else None
-    event = first
+    event = first if first is not None else await job.events.get()
     while True:
         kind, value = event
         if kind == "error":

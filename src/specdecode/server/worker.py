@@ -231,10 +231,15 @@ class Worker:
 
     def _begin_choice(self, r: _Running) -> None:
         p = r.prepared
-        r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs))
+        # A stream opens once its first choice's options are accepted, before the prompt is read.
+        opened = (lambda: r.job.post("started", r.index)) if r.job.req.stream and r.index == 0 else None
+        r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs),
+                                   accepted=opened)
         # A request kind's own stop rule (an /infill request's, :class:`.infill.InfillGenRequest`),
         # started once the prompt is read: llama.cpp times generation from there.
         watch = getattr(r.job.req, "watch", None)
+        if watch is None and r.job.req.tools is not None:  # a bound on the calls (:meth:`.tools.ToolRequest.watch`)
+            watch = r.job.req.tools.watch
         r.watch = watch(self.decoder.target.token_bytes) if watch is not None else None
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
