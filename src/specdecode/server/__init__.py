@@ -101,7 +101,8 @@ model whose template teaches no known format is a 400 (param tools) saying so.
   and ended by itself ("length" stays "length": its last call's arguments are then cut).
   Text that does not begin a call as the format has it (another key order, a name that is
   no tool's, arguments that are no object) stays content, tags and all, with
-  finish_reason "stop". With parallel_tool_calls false, calls after the first are dropped.
+  finish_reason "stop". With parallel_tool_calls false or a named function the answer makes
+  one call: the generation ends once its arguments are complete (:class:`.toolcalls.ToolCallWatch`).
 - Streaming, as OpenAI does: content deltas hold back text that may begin a
   ``<tool_call>`` (and whitespace that may precede one); a call opens with a delta
   ``{"tool_calls": [{"index": i, "id": ..., "type": "function", "function": {"name": ...,

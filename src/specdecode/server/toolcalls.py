@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import secrets
 from abc import ABC, abstractmethod
-from typing import Collection
+from dataclasses import replace
+from typing import Any, Collection
 
 from ..grammar import Grammar
 
@@ -66,6 +67,7 @@ class HermesParser:
         self.names = frozenset(names)
         self.parallel = parallel
         self.calls = 0  # calls returned so far
+        self.closed = 0  # calls returned whose arguments have ended
         self._mode = "text"  # text | head | args | tail
         self._buf = ""  # text read and not yet decided
         self._ws = ""  # the whitespace before the OPEN being read (content again if no call follows)
@@ -190,8 +192,14 @@ class HermesParser:
         self._buf = buf[len(piece):]
         if end is None:
             return False
+        self.closed += self._emit
         self._mode = "tail"
         return True
+
+    @property
+    def held(self) -> int:
+        """Characters fed and not yet settled (held back or being read)."""
+        return len(self._buf)
 
     def _tail(self, out: list[tuple], final: bool) -> bool:
         """After the arguments: whitespace, the call object's "}", whitespace and CLOSE are
@@ -210,6 +218,38 @@ class HermesParser:
             return False
         self._buf, self._mode, self._after_call = rest, "text", True
         return True
+
+
+class ToolCallWatch:
+    """One chat choice's bound on its tool calls (the worker's watch: ``feed(delta)`` the text
+    kept of each committed delta, ``stopped``, ``finish(result)``): the generation ends as soon
+    as the arguments of call number ``limit`` are complete, its text cut right after them. So
+    ``parallel_tool_calls: false`` and a tool_choice naming a function give one call without
+    generating (and dropping) more, as OpenAI answers them. The text is fed a character at a
+    time so that the cut is exact inside a speculative step's several tokens. Raises nothing."""
+
+    def __init__(self, parser: HermesParser, limit: int) -> None:
+        self.parser, self.limit = parser, limit
+        self.text = ""
+        self.stopped = False
+
+    def feed(self, delta: Any) -> str:
+        if self.stopped:
+            return ""
+        before = len(self.text)
+        for c in str(delta):
+            self.text += c
+            self.parser.feed(c)
+            if self.parser.closed >= self.limit:
+                self.text = self.text[:len(self.text) - self.parser.held]
+                self.stopped = True
+                break
+        return self.text[before:]
+
+    def finish(self, result: Any) -> Any:
+        """The result with the kept text; ended by the bound, it ended by itself ("stop",
+        which the response reports as "tool_calls")."""
+        return replace(result, text=self.text, finish_reason="stop" if self.stopped else result.finish_reason)
 
 
 class ToolCallFormat(ABC):

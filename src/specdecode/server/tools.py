@@ -15,7 +15,7 @@ from typing import Any
 from ..grammar import Grammar
 from ..messages import json_repr
 from .apierror import APIError
-from .toolcalls import MAX_NAME_LEN, NAME_CHARS, HermesParser, ToolCallFormat
+from .toolcalls import MAX_NAME_LEN, NAME_CHARS, HermesParser, ToolCallFormat, ToolCallWatch
 
 TOOL_CHOICES = ("none", "auto", "required")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
@@ -59,6 +59,19 @@ class ToolRequest:
     def parser(self) -> HermesParser:
         """A fresh parser of one choice's output."""
         return self.format.parser(self.names, self.parallel)
+
+    @property
+    def max_calls(self) -> int | None:
+        """The most calls one answer may make: one with parallel_tool_calls false or a named
+        function (as OpenAI answers them), else no bound (None)."""
+        return 1 if not self.parallel or self.name is not None else None
+
+    def watch(self, token_bytes: Any = None) -> ToolCallWatch | None:
+        """A choice's :class:`.toolcalls.ToolCallWatch` (the generation ends with its last
+        allowed call), None where the calls are not bounded. token_bytes: unused (the
+        worker's watch factories take it)."""
+        limit = self.max_calls
+        return None if limit is None else ToolCallWatch(self.format.parser(self.names, True), limit)
 
 
 def parse_tools(body: dict, tool_format: ToolCallFormat | None) -> ToolRequest | None:
