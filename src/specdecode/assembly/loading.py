@@ -110,11 +110,14 @@ def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int | None = No
 def _build(draft: "str | Backend", target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
     """The drafter of ``draft``'s kind; load_opts: :func:`load_backend`'s keywords for a draft model
     (n_ctx None: the target's context, so that drafts reach as far as the target does)."""
-    if load_opts["n_ctx"] is None:
-        load_opts = {**load_opts, "n_ctx": target.n_ctx}
+    def load(name: "str | Backend") -> Backend:
+        if isinstance(name, Backend):
+            return name
+        opts = load_opts if load_opts["n_ctx"] is not None else {**load_opts, "n_ctx": target.n_ctx}
+        return load_backend(name, **opts)
+
     kind, arg = kind_of(draft)
-    return kind.build(DraftRequest(target, arg, lambda name: name if isinstance(name, Backend) else
-                                   load_backend(name, **load_opts), draft_vocab))
+    return kind.build(DraftRequest(target, arg, load, draft_vocab))
 
 
 def default_draft_serves(target: Backend) -> bool:
