@@ -261,12 +261,13 @@ class Decoder:
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
               prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,
-              accepted: Callable[[], None] | None = None, **fields) -> Generation:
+              accepted: Callable[[], None] | None = None, chunked: bool = False, **fields) -> Generation:
         """Start a generation in a free slot (arguments as :meth:`stream`) for batched
         stepping: ``deltas = decoder.step([g1, g2, ...])`` advances every running
         generation by one shared forward; when ``g.done``, ``decoder.end(g)`` returns its
         last delta (if any) and its GenerationResult and frees the slot. accepted: called
         once the options are accepted, right before the prompt is read (the engine's begin).
+        chunked: the prompt is read later, a piece per :meth:`prefill`, while ``g.prefilling``.
         Raises SpecDecodeError for bad options, a prompt that does not fit, or no free slot.
         """
         ids, options = self._request(prompt, messages, prompt_ids, options, fields)
@@ -285,9 +286,15 @@ class Decoder:
                 self.check_open()
             if self.calibration is not None:
                 options = self.calibration.before_generation(options)
-            gen = self.engine.begin(ids, options, accepted=accepted)
+            gen = self.engine.begin(ids, options, accepted=accepted, chunked=chunked)
             self._owners[gen] = me
             return gen
+
+    def prefill(self, gen: Generation, max_tokens: int | None = None) -> int:
+        """Read up to max_tokens more of a chunked generation's prompt (None: the rest): :meth:`SpeculativeEngine.prefill`."""
+        with self._lock:
+            self.check_open()
+            return self.engine.prefill(gen, max_tokens)
 
     def step(self, gens: Sequence[Generation]) -> list[TextDelta]:
         """One batched step of the running generations (see :meth:`begin`); their deltas."""

@@ -219,6 +219,7 @@ class BackendBase:
     kv_shared = False
     chat_template: str | None = None  # a backend whose model has one overrides this
     fim_tokens: FimTokens | None = None  # the model's fill-in-the-middle tokens (:mod:`.fim`), where it has them
+    prefill_split: int | None = None  # a long forward's calls (llama.cpp: n_batch tokens); None: one call
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len

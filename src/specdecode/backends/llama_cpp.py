@@ -99,7 +99,7 @@ class LlamaCppBackend(BackendBase):
         trained, kv_bytes = int(llama_cpp.llama_model_n_ctx_train(model)), llama_kv_bytes(llama_cpp, model)
         self.context = choose_context(n_ctx, trained, kv_bytes, n_seq, self.name, available_memory(), kv_reserve)
         n_ctx = self.context.n_ctx
-        self._n_batch = max(1, min(n_batch, n_ctx))
+        self._n_batch = self.prefill_split = max(1, min(n_batch, n_ctx))  # (a prompt read in its multiples: the same calls)
         self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
 
         self.kv_shared = not kv_per_sequence and n_seq > 1  # (a tree's branch cells are cleared after its step)

@@ -102,13 +102,16 @@ class SpeculativeEngine:
 
     def begin(self, prompt_ids: Sequence[int], options: GenerationOptions | None = None, *,
               drafter: Drafter | None = None, slot: int | None = None,
-              accepted: Callable[[], None] | None = None, **fields) -> Generation:
+              accepted: Callable[[], None] | None = None, chunked: bool = False, **fields) -> Generation:
         """Start a generation (options as :meth:`stream`) in a free slot: the given one, else
         the free slot whose cached tokens share the longest prefix with the prompt (least
         recently used among equals) where that prefix is at least SLOT_REUSE_SHARE of the
         prompt, else the least recently used free slot; its prompt is prefilled there (reusing
         the prefix it shares). accepted: called once every option has been accepted, right
         before the prompt is read (a server opens its stream there, ahead of a long prefill).
+        chunked: the prompt is read later, in pieces, by :meth:`prefill` (``gen.prefilling``
+        until it is all read; a server interleaves the pieces with other generations' steps);
+        a batch-invariant generation still reads its whole prompt here, as a fresh start would.
 
         Raises SpecDecodeError for bad options or when no slot is free,
         ContextOverflowError when the prompt does not fit.
@@ -153,13 +156,46 @@ class SpeculativeEngine:
             gen.drafter.configure(choice.drafting)
         if accepted is not None:
             accepted()
+        if chunked and not gen.invariant:
+            out.stats.prompt_cached = self._start_prefill(where, gen.committed)
+            gen.prefilling = True
+            self._hold(where, gen)
+            self.prefill(gen, 0)  # nothing left to read (a prompt cached whole): it can step at once
+            return gen
         out.stats.prompt_cached = self._prefill(where, gen.committed, gen.drafter)
-        where.gen = gen
-        self._uses += 1
-        where.last_used = self._uses
+        self._hold(where, gen)
         out.decode_started = time.perf_counter()
         out.stats.prefill_s = out.decode_started - started
         return gen
+
+    def _hold(self, slot: Slot, gen: Generation) -> None:
+        slot.gen = gen
+        self._uses += 1
+        slot.last_used = self._uses
+
+    def prefill(self, gen: Generation, max_tokens: int | None = None) -> int:
+        """Read up to max_tokens more of the prompt of a generation begun with ``chunked``
+        (None: all that is left) into its slot's cache, in one forward; returns the tokens
+        read. Once the prompt is read (committed[:-1], the KV invariant), ``gen.prefilling``
+        is False and it steps like any other (a drafter that reads hidden states gets the
+        last chunk's last row). What was read stays reusable if the generation ends before.
+
+        Raises SpecDecodeError for a generation that has ended or is not prefilling."""
+        if gen.slot.gen is not gen or not gen.prefilling:
+            raise SpecDecodeError("prefill() takes a generation begun with chunked=True whose prompt is not read yet")
+        slot, committed = gen.slot, gen.committed
+        start, end = slot.cached_len, len(committed) - 1
+        n = end - start if max_tokens is None else max(0, min(max_tokens, end - start))
+        if n > 0:
+            self.forwards.set_invariant(False)  # (chunked generations are never batch-invariant)
+            slot.forget()  # until the forward succeeds
+            self._read(slot.seq, committed[start:start + n], gen.drafter, hidden_last=start + n == end)
+            slot.tokens, slot.cached_len = committed, start + n
+        if slot.cached_len == end:
+            gen.prefilling = False
+            gen.out.decode_started = time.perf_counter()
+            gen.out.stats.prefill_s = gen.out.decode_started - gen.out.started
+        return n
 
     def _choose_slot(self, prompt_ids: Sequence[int], slot: int | None) -> Slot:
         free = [s for s in self.slots if s.gen is None]
@@ -185,8 +221,9 @@ class SpeculativeEngine:
         own token; returns each generation's text delta, in order."""
         if not gens:
             return []
-        if len({id(g) for g in gens}) != len(gens) or any(g.slot.gen is not g or g.done for g in gens):
-            raise SpecDecodeError("step() takes running generations, each once: one has ended or is done")
+        if len({id(g) for g in gens}) != len(gens) or any(g.slot.gen is not g or g.done or g.prefilling for g in gens):
+            raise SpecDecodeError("step() takes running generations, each once: one has ended, is done or is "
+                                  "still reading its prompt (prefill)")
         caps = [min(gen.k, gen.out.remaining - 1, gen.room) for gen in gens]
         caps = [min(cap, gen.out.stats.invariant_block - 1) if gen.invariant else cap for gen, cap in zip(gens, caps)]
         if len(gens) > 1:
@@ -310,18 +347,29 @@ class SpeculativeEngine:
         longest cached prefix; a drafter that reads hidden states gets the last position's in
         the prefill's outcome (where the backend gives it), for the first step's draft.
         Returns the tokens reused (not evaluated again)."""
-        keep = slot.reusable(committed)
+        keep = self._start_prefill(slot, committed)
         slot.forget()  # until the forward succeeds
-        self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
-        n = len(committed) - 1 - keep
-        if n > 0 and isinstance(drafter, HiddenStateDrafter):
-            _, hidden = self.target.forward_batch_hidden([SeqForward(slot.seq, committed[keep:-1], [n - 1])],
-                                                         {slot.seq})
-            drafter.observe(StepOutcome(hidden=hidden.get(slot.seq)))
-        elif n > 0:
-            self.target.forward(committed[keep:-1], logits_for=[], seq=slot.seq)
+        if len(committed) - 1 > keep:
+            self._read(slot.seq, committed[keep:-1], drafter, hidden_last=True)
         slot.tokens, slot.cached_len = committed, len(committed) - 1
         return keep
+
+    def _start_prefill(self, slot: Slot, committed: list[int]) -> int:
+        """Roll the slot's sequence back to the prefix it shares with committed; returns its length."""
+        keep = slot.reusable(committed)
+        slot.forget()
+        self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
+        slot.tokens, slot.cached_len = committed, keep
+        return keep
+
+    def _read(self, seq: int, ids: list[int], drafter: Drafter, hidden_last: bool) -> None:
+        """One forward of prompt tokens ids [n] into seq, no logits; with hidden_last, a
+        drafter that reads hidden states gets the last row's."""
+        if hidden_last and isinstance(drafter, HiddenStateDrafter):
+            _, hidden = self.target.forward_batch_hidden([SeqForward(seq, ids, [len(ids) - 1])], {seq})
+            drafter.observe(StepOutcome(hidden=hidden.get(seq)))
+        else:
+            self.target.forward(ids, logits_for=[], seq=seq)
 
     def forget_prefix(self) -> None:
         """Make the next generation prefill its whole prompt (no reuse of the cached prefix),

@@ -23,7 +23,8 @@ class Generation:
     """One generation in progress (made by :meth:`SpeculativeEngine.begin`).
 
     committed: prompt and emitted tokens. slot: the engine slot (KV sequence) it runs in.
-    k: its cap on drafted tokens per step. done: no further step is needed.
+    k: its cap on drafted tokens per step. done: no further step is needed. prefilling: its
+    prompt is still being read in chunks (it cannot step yet).
     """
 
     committed: list[int]  # prompt and emitted tokens
@@ -35,6 +36,7 @@ class Generation:
     prompt_len: int
     invariant: bool = False  # verified batch-invariantly (GenerationOptions.invariant)
     tree_nodes: int = 0  # the node budget of its trees of drafts (0: chains)
+    prefilling: bool = False  # begun chunked, its prompt not all read yet (SpeculativeEngine.prefill)
 
     @property
     def done(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from jinja2 import TemplateError
 
+from ..engine.chunking import PrefillChunker
 from ..errors import SpecDecodeError
 from .config import ServerOptions
 from .prepare import Prepared, Preparer, request_error
@@ -79,6 +80,9 @@ class Worker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.preparer = Preparer(decoder, options, self.n_ctx)  # what a request brings, off this thread
+        # Chunked prefill: how much of a prompt to read between two steps.
+        self.chunker = PrefillChunker(split=getattr(decoder.target, "prefill_split", None))
+        self.clock: Callable[[], float] = time.perf_counter  # what the chunker's costs are timed with
         self.metrics = metrics_factory(self)
 
     def queue_len(self) -> int:
@@ -234,7 +238,7 @@ class Worker:
         # A stream opens once its first choice's options are accepted, before the prompt is read.
         opened = (lambda: r.job.post("started", r.index)) if r.job.req.stream and r.index == 0 else None
         r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs),
-                                   accepted=opened)
+                                   accepted=opened, chunked=True)  # read by _step, a chunk at a time
         # A request kind's own stop rule (an /infill request's, :class:`.infill.InfillGenRequest`),
         # started once the prompt is read: llama.cpp times generation from there.
         watch = getattr(r.job.req, "watch", None)
@@ -262,18 +266,30 @@ class Worker:
                                "stream as it comes", code="stream_not_read"))
 
     def _step(self) -> None:
-        """One batched step of every running generation; post their deltas; finish the
-        choices that are done."""
-        running = [r for r in self._active if r.gen is not None and not r.gen.done and not r.stopped]
+        """One batched step of every running generation (decode first); post their deltas;
+        then one chunk of the oldest prompt still being read (chunked prefill, sized by
+        :class:`specdecode.engine.chunking.PrefillChunker`); finish the choices that are done."""
+        running = [r for r in self._active if r.gen is not None and not r.gen.prefilling and not r.gen.done
+                   and not r.stopped]
         if running:
+            started = self.clock()
             deltas = self.decoder.step([r.gen for r in running])
-            now = time.perf_counter()
+            now = self.clock()
+            self.chunker.observe_step(now - started)
             for r, delta in zip(running, deltas):
                 if r.first is None:
-                    r.first = now
+                    r.first = time.perf_counter()
                 self._post_delta(r, delta)
-        for r in [r for r in self._active if r.gen is not None and (r.gen.done or r.stopped)]:
+        reading = [r for r in self._active if r.gen is not None and r.gen.prefilling]
+        if reading:
+            self._guarded(reading[0], lambda r: self._read_chunk(r, decoding=bool(running)))
+        for r in [r for r in self._active if r.gen is not None and not r.gen.prefilling and (r.gen.done or r.stopped)]:
             self._guarded(r, self._finish_choice)
+
+    def _read_chunk(self, r: _Running, decoding: bool) -> None:
+        started = self.clock()
+        n = self.decoder.prefill(r.gen, self.chunker.size(decoding))
+        self.chunker.observe_chunk(n, self.clock() - started)
 
     def _post_delta(self, r: _Running, delta: Any) -> None:
         text = str(delta) if r.watch is None else r.watch.feed(delta)  # a watch sees every delta, streamed or not
