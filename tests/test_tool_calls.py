@@ -210,7 +210,10 @@ def test_one_call_parallel_calls_and_text_around_them():
     '<tool_call>\n{"name": "get_news", "arguments": {}}\n</tool_call>',  # not among tools
     '<tool_call>\n{"arguments": {"tz": "UTC"}, "name": "get_time"}\n</tool_call>',  # another order
     '<tool_call>\n{"name": "get_time", "arguments": "UTC"}\n</tool_call>',  # arguments no object
-    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # no tag at all
+    'Here:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # a fence after text
+    '```json\n{"name": "get_news", "arguments": {}}\n```',  # a fence at the start, not among tools
+    '```python\nprint({"name": "get_time", "arguments": {}})\n```',  # another language's fence
+    '{"name": "Ada", "arguments": {}}',  # bare JSON at the start, no tool's name
     "plain text\n\n", "ends with <tool_c",
 ])
 def test_text_that_is_no_call_stays_content(text):
@@ -219,6 +222,21 @@ def test_text_that_is_no_call_stays_content(text):
     out = full_response("chat", MODEL, [(0, result(text), None)], lambda r: {}, chat({"tools": TOOLS}).tools)
     assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
     assert out["choices"][0]["finish_reason"] == "stop"
+
+
+FENCED = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+
+
+@pytest.mark.parametrize("text", [FENCED, "\n" + FENCED + "\n", FENCED.replace("json", "", 1),
+                                  FENCED.replace("json", "xml", 1), '{"name": "get_weather", "arguments": {"city": "Paris"}}'])
+def test_a_call_in_a_fence_or_bare_at_the_start_is_a_call(text):
+    """Qwen2.5-Coder-1.5B wrote Codex's exec_command call in a ```json fence, as llama.cpp's
+    Hermes 2 Pro handler reads it at the start of the message."""
+    content, calls = parse(text)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+    content, calls = parse(FENCED + "\nThen I will answer.\n" + FENCED)  # text after it; a second fence is text
+    assert len(calls) == 1 and content == "\nThen I will answer.\n" + FENCED
 
 
 def test_a_call_cut_in_its_head_never_leaks_into_content():
@@ -238,7 +256,8 @@ def test_a_call_cut_by_max_tokens_keeps_length():
 
 
 @pytest.mark.parametrize("text", [CALL, "Checking.\n" + CALL + "\n" + CALL2 + "\n", "no call <tool_call>\n{\"nam",
-                                  "a <tool", CALL[:70], CALL + " then text <tool_call>\n{} done"])
+                                  "a <tool", CALL[:70], CALL + " then text <tool_call>\n{} done", FENCED,
+                                  "``` not a call", FENCED + "\nok\n" + CALL, FENCED[:30]])
 def test_any_split_of_the_text_gives_the_same_parts(text):
     whole_content, whole_calls = parse(text)
     rng = random.Random(7)

@@ -56,7 +56,15 @@ class HermesParser:
     ``<tool_call>``, and whitespace that may precede one, is held back; the whitespace
     right before a call, and whitespace that only follows one (to the next call or the
     end), is dropped. With parallel false, calls after the first are dropped.
+
+    At the very start of the message a call may also come without the tag, in a code fence
+    (```` ```json ````, ```` ```xml ```` or a bare ```` ``` ```` line, closed by ```` ``` ````) or bare:
+    Qwen2.5-Coder writes its calls so (measured: Codex CLI's first turn on the 1.5B), and
+    llama.cpp's Hermes 2 Pro handler reads the same forms there (its "good bad outputs"
+    trigger, common/chat.cpp). Anywhere else such text is content.
     """
+
+    FENCES = ("json", "xml", "")  # what may follow ``` on a fence line before a call at the start
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     # The beginning of a call after OPEN: "ws" any whitespace, "NAME" a tool's name, else literal text.
@@ -68,7 +76,8 @@ class HermesParser:
         self.parallel = parallel
         self.calls = 0  # calls returned so far
         self.closed = 0  # calls returned whose arguments have ended
-        self._mode = "text"  # text | head | args | tail
+        self._mode = "start"  # start | text | head | args | tail
+        self._fenced = False  # the call being read began with a code fence, which its tail closes
         self._buf = ""  # text read and not yet decided
         self._ws = ""  # the whitespace before the OPEN being read (content again if no call follows)
         self._after_call = False  # a call ended and no content followed yet
@@ -99,6 +108,33 @@ class HermesParser:
         if text and not (self._after_call and not text.strip(_WS)):  # whitespace alone after a call: dropped
             out.append(("content", text))
             self._after_call = False
+
+    def _start(self, out: list[tuple], final: bool) -> bool:
+        """The message's beginning: a call in a code fence or bare (see the class docstring),
+        else on to text."""
+        s = self._buf.lstrip(_WS)
+        fenced = s.startswith("```")
+        if fenced:
+            nl = s.find("\n")
+            if nl < 0 and not final and len(s) < 3 + max(map(len, self.FENCES)) + 1:
+                return False
+            if nl < 0 or s[3:nl].strip() not in self.FENCES:
+                self._mode = "text"
+                return True
+            s = s[nl + 1:]
+        elif "```".startswith(s) and s and not final or not s and not final:
+            return False
+        state, name, end = self._match_head(s) if s.lstrip(_WS)[:1] in ("{", "") else ("fail", "", 0)
+        if state == "partial" and not final:
+            return False
+        if state != "ok":
+            self._mode = "text"
+            return True
+        out.append(("call", self.calls, new_call_id(), name))
+        self.calls += 1
+        self._fenced, self._buf, self._mode = fenced, s[end:], "args"
+        self._depth, self._in_string, self._escape = 0, False, False
+        return True
 
     def _text(self, out: list[tuple], final: bool) -> bool:
         buf = self._buf
@@ -211,12 +247,12 @@ class HermesParser:
             k += 1
             while k < len(buf) and buf[k] in _WS:
                 k += 1
-        rest = buf[k:]
-        if rest.startswith(self.CLOSE):
-            rest = rest[len(self.CLOSE):]
-        elif self.CLOSE.startswith(rest) and not final:
+        rest, close = buf[k:], "```" if self._fenced else self.CLOSE
+        if rest.startswith(close):
+            rest = rest[len(close):]
+        elif close.startswith(rest) and not final:
             return False
-        self._buf, self._mode, self._after_call = rest, "text", True
+        self._buf, self._mode, self._after_call, self._fenced = rest, "text", True, False
         return True
 
 
