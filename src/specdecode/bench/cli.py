@@ -106,7 +106,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
         "bench-serve", help="load-test the server: C concurrent clients, the batched server against the one-slot one",
         description="Drive the OpenAI-compatible server with C concurrent streaming clients (the suite's prompts, "
                     "greedy) and report aggregate decode tokens/s, time to first token and time per output token "
-                    "(p50/p95) and acceptance per C. Without --url it starts the servers itself, in turn: one slot "
+                    "(p50/p95), the gaps between streamed chunks (p50/p99/max) and acceptance per C. Without --url it starts the servers itself, in turn: one slot "
                     "(the baseline) and --parallel slots, and compares their greedy outputs.")
     add_model_options(b)
     b.add_argument("--url", default=None, help="a running server to measure instead (e.g. http://127.0.0.1:8000)")
@@ -122,6 +122,10 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated categories (default: all but json_schema)")
     b.add_argument("--per-category", type=int, default=2, help="prompts per category (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=64, help="completion cap per request (default: %(default)s)")
+    b.add_argument("--long-prompts", type=int, default=0, metavar="TOKENS",
+                   help="while the clients run, one more sends prompts of about TOKENS tokens, one after another "
+                        "(a file, an agent's tool outputs): the clients' inter-token gaps show what a long prefill "
+                        "costs them; reported on rows of their own (default: 0, none)")
     _add_output_options(b, "serve_results", cmd_bench_serve)
     return b
 
@@ -139,7 +143,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         slots=(1, args.parallel) if args.baseline else (args.parallel,), concurrency=args.concurrency,
         requests=args.requests, prompts=args.prompts,
         categories=tuple(args.categories.split(",")) if args.categories else SERVE_CATEGORIES,
-        per_category=args.per_category, max_tokens=args.max_tokens, progress=not args.quiet,
+        per_category=args.per_category, max_tokens=args.max_tokens, long_prompt_tokens=args.long_prompts,
+        progress=not args.quiet,
         extra=dict(backend=args.backend, draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
                    draft_vocab=args.draft_vocab))
     return _report(args, run_serve_bench(cfg), write_serve_outputs, print_serve_table)

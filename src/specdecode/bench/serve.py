@@ -3,10 +3,12 @@
 C concurrent clients (for each C in the list) send the suite's prompts to a server, each
 client one request at a time, streaming; per request the time to first token (TTFT,
 send to first text chunk), the time per output token (TPOT, (last - first chunk) /
-(completion tokens - 1)), the completion tokens and the speculation statistics are
+(completion tokens - 1)), the gaps between its text chunks as they arrived (the inter-token
+gap, ITL: a speculative step brings several tokens in one chunk, so a gap is what a reader
+waits), the completion tokens and the speculation statistics are
 recorded. Per C: aggregate decode tokens/s (all completion tokens / wall time from the
 first send to the last end), TTFT and TPOT p50/p95, the largest TTFT (no request starved),
-and acceptance. Self-started servers are measured side by side in one run: the one-slot
+ITL p50/p99/max over every gap of every request, and acceptance. Self-started servers are measured side by side in one run: the one-slot
 server (the baseline) and the batched one (``--parallel``); a running server is measured
 at ``--url``. Greedy outputs of the batched server are compared with the one-slot
 server's (which runs each request alone at any concurrency): equal, or first different
@@ -16,6 +18,7 @@ differ from a lone sequence's), else divergent.
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import socket
@@ -24,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -58,6 +61,7 @@ class ServeBenchConfig:
     categories: tuple[str, ...] | None = SERVE_CATEGORIES
     per_category: int | None = 2
     max_tokens: int = 64
+    long_prompt_tokens: int = 0  # > 0: one more client sends prompts of about this many tokens meanwhile
     progress: bool = True
     extra: dict = field(default_factory=dict)  # further Decoder options for self-started servers
 
@@ -72,6 +76,9 @@ def check_config(cfg: ServeBenchConfig) -> None:
                               param="--parallel")
     if cfg.requests is not None and cfg.requests < 1:
         raise SpecDecodeError(f"--requests {cfg.requests} is out of range: expected >= 1", param="--requests")
+    if cfg.long_prompt_tokens < 0:
+        raise SpecDecodeError(f"--long-prompts {cfg.long_prompt_tokens} is out of range: expected >= 0 tokens",
+                              param="--long-prompts")
     if cfg.max_tokens < 1:
         raise SpecDecodeError(f"--max-tokens {cfg.max_tokens} is out of range: expected >= 1", param="--max-tokens")
 
@@ -89,6 +96,12 @@ class RequestRecord:
     top2_gaps: list[float | None]
     speculation: dict
     error: str | None = None
+    arrivals: list[float] = field(default_factory=list)  # when each text chunk arrived
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Seconds between consecutive text chunks (the inter-token gaps this client waited)."""
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
 
 
 def _body(p: BenchPrompt, model: str, max_tokens: int) -> tuple[str, dict]:
@@ -113,7 +126,7 @@ def _send(client, p: BenchPrompt, model: str, max_tokens: int) -> RequestRecord:
 
     path, body = _body(p, model, max_tokens)
     sent = time.perf_counter()
-    first, tokens, gaps, usage, spec = None, [], [], {}, {}
+    first, tokens, gaps, usage, spec, arrivals = None, [], [], {}, {}, []
     try:
         with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -128,8 +141,9 @@ def _send(client, p: BenchPrompt, model: str, max_tokens: int) -> RequestRecord:
                 spec = chunk.get("speculation") or spec
                 for ch in chunk.get("choices", []):
                     text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                    if text and first is None:
-                        first = time.perf_counter()
+                    if text:
+                        arrivals.append(time.perf_counter())
+                        first = arrivals[0]
                     lp = ch.get("logprobs") or {}
                     if "content" in lp:  # chat
                         for e in lp["content"] or []:
@@ -139,21 +153,44 @@ def _send(client, p: BenchPrompt, model: str, max_tokens: int) -> RequestRecord:
                         tokens += lp["tokens"]
                         gaps += [_gap(list(t.values())) for t in lp["top_logprobs"]]
     except httpx.HTTPError as e:
-        return RequestRecord(p.id, sent, first, time.perf_counter(), 0, tokens, gaps, spec, error=str(e))
+        return RequestRecord(p.id, sent, first, time.perf_counter(), 0, tokens, gaps, spec, error=str(e),
+                             arrivals=arrivals)
     return RequestRecord(p.id, sent, first, time.perf_counter(), int(usage.get("completion_tokens", 0)), tokens,
-                         gaps, spec)
+                         gaps, spec, arrivals=arrivals)
+
+
+LONG_MAX_TOKENS = 8  # what a long prompt's request asks for: its prefill is the load
+
+
+def long_prompts(prompts: Sequence[BenchPrompt], tokens: int) -> Iterator[BenchPrompt]:
+    """Endless raw prompts of about ``tokens`` tokens (4 characters a token: the suite's texts
+    over and over), each opening with its own line, so that no two share a cached prefix."""
+    body = "\n\n".join(p.prompt or "\n".join(str(m.get("content", "")) for m in p.messages or []) for p in prompts)
+    body = (body * (4 * tokens // max(1, len(body)) + 1))[:4 * tokens]
+    for i in itertools.count():
+        yield BenchPrompt(f"long-{tokens}", "long", f"# request {i}\n{body}", None, LONG_MAX_TOKENS)
 
 
 def run_load(url: str, prompts: Sequence[BenchPrompt], concurrency: int, n_requests: int, model: str,
-             max_tokens: int, api_key: str | None = None) -> list[RequestRecord]:
+             max_tokens: int, api_key: str | None = None, long: Iterator[BenchPrompt] | None = None,
+             ) -> tuple[list[RequestRecord], list[RequestRecord]]:
     """C clients, each sending one request at a time, until n_requests were sent (prompts
-    in turn)."""
+    in turn); with ``long``, one more client sends its prompts one after another until they
+    are done. Returns the C clients' records and the long client's."""
     import httpx
 
     todo: queue.Queue = queue.Queue()
     for i in range(n_requests):
         todo.put(prompts[i % len(prompts)])
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    done = threading.Event()
+
+    def long_loop() -> list[RequestRecord]:
+        out = []
+        with httpx.Client(base_url=url, timeout=3600, headers=headers) as c:
+            while not done.is_set():
+                out.append(_send(c, next(long), model, LONG_MAX_TOKENS))
+        return out
 
     def client_loop() -> list[RequestRecord]:
         out = []
@@ -165,8 +202,13 @@ def run_load(url: str, prompts: Sequence[BenchPrompt], concurrency: int, n_reque
                     return out
                 out.append(_send(c, p, model, max_tokens))
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        return [r for rs in pool.map(lambda _: client_loop(), range(concurrency)) for r in rs]
+    with ThreadPoolExecutor(concurrency + 1) as pool:
+        background = pool.submit(long_loop) if long is not None else None
+        try:
+            short = [r for rs in pool.map(lambda _: client_loop(), range(concurrency)) for r in rs]
+        finally:
+            done.set()
+        return short, background.result() if background is not None else []
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict:
@@ -178,6 +220,7 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     ttft = np.array([(r.first or r.end) - r.sent for r in ok])
     tpot = np.array([(r.end - r.first) / (r.completion_tokens - 1) for r in ok
                      if r.first is not None and r.completion_tokens > 1])
+    itl = np.array([g for r in ok for g in r.gaps_s])
     tokens = sum(r.completion_tokens for r in ok)
     drafted = sum(int(r.speculation.get("drafted", 0)) for r in ok)
     accepted = sum(int(r.speculation.get("accepted", 0)) for r in ok)
@@ -190,6 +233,7 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
         "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
         "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_max_s": round(float(ttft.max()), 4),
         "tpot_p50_s": pct(tpot, 50), "tpot_p95_s": pct(tpot, 95),
+        "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99), "itl_max_s": round(float(itl.max()), 4) if len(itl) else None,
         "drafted": drafted, "accepted": accepted,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
     }
@@ -287,7 +331,7 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         [(f"{s} slot{'s' if s > 1 else ''}", s) for s in sorted(set(cfg.slots))]
     bar = tqdm(total=len(targets) * len(levels), desc="bench-serve", disable=not cfg.progress)
     for label, slots in targets:
-        runs, recs = {}, {}
+        runs, recs, longs = {}, {}, {}
         if slots is None:
             url, model, ctx = cfg.url.rstrip("/"), cfg.model or _model_id(cfg.url, cfg.api_key), None
         else:
@@ -297,13 +341,18 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
         try:
             for c in levels:
                 bar.set_postfix_str(f"{label}, {c} client{'s' if c > 1 else ''}")
-                recs[c] = run_load(url, prompts, c, n_req[c], model, cfg.max_tokens, cfg.api_key)
+                long = long_prompts(prompts, cfg.long_prompt_tokens) if cfg.long_prompt_tokens else None
+                recs[c], long_recs = run_load(url, prompts, c, n_req[c], model, cfg.max_tokens, cfg.api_key, long)
                 runs[c] = summarize(recs[c])
+                if long_recs:
+                    longs[c] = summarize(long_recs)
                 bar.update()
         finally:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
         result["servers"][label] = runs
+        if longs:  # the long prompts' own figures (their TTFT is their prefill)
+            result.setdefault("long", {})[label] = longs
         result["records"][label] = recs
     bar.close()
     labels = list(result["servers"])
@@ -317,6 +366,6 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                                       result["servers"][base][c]["tokens_per_s"], 3)
                              for c in levels if result["servers"][base][c].get("tokens_per_s")
                              and result["servers"][top][c].get("tokens_per_s")}
-    result["records"] = {lab: {c: [vars(r) for r in rs] for c, rs in recs.items()}
+    result["records"] = {lab: {c: [{**vars(r), "gaps_s": r.gaps_s} for r in rs] for c, rs in recs.items()}
                          for lab, recs in result["records"].items()}
     return result

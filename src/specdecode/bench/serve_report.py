@@ -10,6 +10,7 @@ from typing import TextIO
 
 COLUMNS = (("tok/s", "tokens_per_s"), ("TTFT p50", "ttft_p50_s"), ("TTFT p95", "ttft_p95_s"),
            ("TTFT max", "ttft_max_s"), ("TPOT p50", "tpot_p50_s"), ("TPOT p95", "tpot_p95_s"),
+           ("ITL p50", "itl_p50_s"), ("ITL p99", "itl_p99_s"), ("ITL max", "itl_max_s"),
            ("accept", "acceptance_rate"), ("errors", "errors"))
 
 
@@ -23,6 +24,9 @@ def rows(result: dict) -> list[list[str]]:
     for label, levels in result["servers"].items():
         for c, s in levels.items():
             out.append([label, str(c)] + [_cell(s.get(key)) for _, key in COLUMNS])
+    for label, levels in result.get("long", {}).items():  # bench-serve --long-prompts: those requests' own
+        for c, s in levels.items():
+            out.append([f"{label}, long prompts", f"beside {c}"] + [_cell(s.get(key)) for _, key in COLUMNS])
     return out
 
 
