@@ -151,7 +151,11 @@ def run_side(args, codex: Path, work: Path, speculate: bool) -> dict:
         after = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
         server.terminate()
-        server.wait(60)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:  # mid-step on a slow machine: stop it outright
+            server.kill()
+            server.wait()
     (work / f"codex-{side}.jsonl").write_text(stdout)
     (work / f"codex-{side}.stderr").write_text(stderr)
     tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
