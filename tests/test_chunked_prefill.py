@@ -13,24 +13,21 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Sequence
-
 import httpx
 import numpy as np
 import pytest
 
 from conftest import OracleDrafter, ScriptedBackend
 from specdecode.api import Decoder
-from specdecode.backends.base import BackendBase
 from specdecode.engine import SpeculativeEngine
 from specdecode.engine.chunking import FIRST_CHUNK, MAX_CHUNK, MIN_CHUNK, PREFILL_CHUNK_STEPS, PrefillChunker
 from specdecode.errors import SpecDecodeError
 from specdecode.server import create_app
 
 from test_server import ServerThread
+from test_server_access import ByteBackend
 
 MODEL = "clocked-bytes"
-EOS = 256
 WAIT = 60.0  # seconds a test waits for an event due at once (a loaded machine is slow, not wrong)
 
 
@@ -118,19 +115,17 @@ def test_chunks_cost_a_few_steps_while_others_decode_and_whole_splits_alone():
 
 # --- the server: decode first -----------------------------------------------------------------
 
-class ClockedBytes(BackendBase):
-    """A text model over bytes (ids 0..255, 256 ends generation) of ``n_seq`` sequences whose
-    greedy answer to any prompt is "a" repeated; each forward advances ``now`` by ``fixed`` +
-    ``per_token`` x its tokens, and is logged as (seq, tokens, rows, start, end) for each
-    sequence in it. ``hold_after``: the forward that follows that many forwards with logits
-    waits for ``gate`` (``holding`` set meanwhile)."""
-
-    thread_safe_tokenizer = True
-    chat_template = "role: content lines"
+class ClockedBytes(ByteBackend):
+    """ByteBackend's text model over bytes, of ``n_seq`` sequences, whose greedy answer to any
+    prompt is "a" repeated; each forward advances ``now`` by ``fixed`` + ``per_token`` x its
+    tokens, and is logged as (seq, tokens, rows, start, end) for each sequence in it.
+    ``hold_after``: the forward that follows that many forwards with logits waits for ``gate``
+    (``holding`` set meanwhile)."""
 
     def __init__(self, n_seq: int = 2, n_ctx: int = 8192, fixed: float = 0.05, per_token: float = 0.02,
                  hold_after: int | None = None) -> None:
-        self.name, self._n_vocab, self._n_ctx, self._eog = MODEL, EOS + 1, n_ctx, frozenset({EOS})
+        super().__init__(n_ctx)
+        self.name = MODEL
         self.seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self.fixed, self.per_token, self.now = fixed, per_token, 0.0
         self.log: list[tuple[int, int, int, float, float]] = []
@@ -143,18 +138,6 @@ class ClockedBytes(BackendBase):
     def seq_len(self, seq: int) -> int:
         self._check_seq(seq)
         return len(self.seqs[seq])
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return list(text.encode())
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([token_id]) if token_id < EOS else b""
-
-    def token_text(self, token_id: int) -> bytes:
-        return bytes([token_id]) if token_id < EOS else b"</s>"
-
-    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
     def clock(self) -> float:
         return self.now
