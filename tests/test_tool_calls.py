@@ -56,7 +56,9 @@ def test_tools_default_to_auto_and_parallel():
     req = chat({"tools": TOOLS})
     t = req.tools
     assert (t.choice, t.name, t.parallel, t.names) == ("auto", None, True, ("get_weather", "get_time"))
-    assert t.tools[0] == TOOLS[0] and req.options.grammar is None  # auto: the model may answer text
+    assert t.tools[0] == TOOLS[0]
+    lazy = req.options.grammar  # auto: the model may answer text; a call, once opened, is constrained
+    assert lazy.trigger and lazy.name == "tools" and "get_time" in lazy.source and lazy.source.startswith("start: OTHER")
     assert chat({"tools": []}).tools is None and chat({}).tools is None
 
 
@@ -365,6 +367,72 @@ def test_the_forced_call_matches_the_schema(smollm):
         assert n < total, bad
     n, total, c = allowed(CALL[:-3])
     assert n == total and not c.accepting
+
+
+FENCED_CALL = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "unit": "celsius"}\n}\n```'
+
+
+@pytest.mark.parametrize("text, left", [
+    ("Sure, Paris is sunny today.", 1),  # text: the constraint retires at its first token
+    ("  It depends.", 2),  # (its first token, the two spaces, may still open one)
+    ('{"temperature": 17}', 2),  # a JSON answer whose first key is not "name"
+    ("```python\nprint(1)\n```", 3),
+])
+def test_under_auto_text_is_free_and_the_constraint_retires(smollm, text, left):
+    """tool_choice auto (llama.cpp's lazy grammar): text that cannot open a call passes whole,
+    and once the text rules a call out the constraint retires (no mask: every token allowed)."""
+    grammar = chat({"tools": TOOLS}).options.grammar
+    ids = smollm.tokenize(text, add_special=False)
+    c = GrammarConstraint(grammar, smollm)
+    assert c.valid_prefix(ids) == len(ids) and not c.retired
+    assert c.mask(ids[:left]).all()  # drafts past the point where a call is ruled out: no mask
+    c.commit(ids)
+    assert c.retired and c.accepting and c.mask().all() and c.valid_prefix([0, 1, 2]) == 3
+
+
+@pytest.mark.parametrize("text", [CALL, CALL + "\n" + CALL2, FENCED_CALL, FENCED_CALL.replace("json", "xml", 1),
+                                  '{"name": "get_time", "arguments": {"tz": "UTC"}}'])
+def test_under_auto_an_opened_call_is_constrained_to_the_tools(smollm, text):
+    grammar = chat({"tools": TOOLS}).options.grammar
+    ids = smollm.tokenize(text, add_special=False)
+    c = GrammarConstraint(grammar, smollm)
+    assert c.valid_prefix(ids) == len(ids)
+    c.commit(ids)
+    assert not c.retired and c.accepting  # a whole call: the end may come
+    assert parse(text)[1], text  # and the parser reads it as one
+    for bad in (text.replace("get_weather", "get_news").replace("get_time", "get_news"),  # no such tool
+                text.replace('"celsius"', '"kelvin"').replace('"UTC"', "5"),  # arguments off the schema
+                text + " Then some text."):  # nothing after the call but another call
+        if bad == text:
+            continue
+        ids = smollm.tokenize(bad, add_special=False)
+        assert GrammarConstraint(grammar, smollm).valid_prefix(ids) < len(ids), bad
+    cut = GrammarConstraint(grammar, smollm)
+    cut.commit(smollm.tokenize(text[:-4], add_special=False))
+    assert not cut.accepting  # an unfinished call may not end
+
+
+def test_under_auto_a_schema_llguidance_cannot_compile_constrains_nothing(smollm):
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}]
+    c = GrammarConstraint(chat({"tools": broken}).options.grammar, smollm)
+    assert c.retired and c.mask().all() and c.valid_prefix([1, 2, 3]) == 3
+
+
+def test_under_auto_speculation_keeps_plain_decodings_answer(smollm_path):
+    """The lazy grammar under speculation and in plain decoding: the same greedy text, where
+    the model answers text (the constraint retires) and where it is asked for a call."""
+    import specdecode
+
+    with specdecode.Decoder(target=str(smollm_path), draft="ngram", num_speculative_tokens=4, n_ctx=1024,
+                            progress=False) as dec:
+        for messages in (ASK, [{"role": "user", "content": "Reply with exactly this JSON and nothing else: "
+                                                            '{"name": "get_time", "arguments": {"tz": "UTC"}}'}]):
+            req = chat({"tools": TOOLS, "messages": messages, "temperature": 0, "max_tokens": 48})
+            ids = dec.prompt_ids(messages=messages)
+            spec = dec.generate(prompt_ids=ids, options=req.choice_options(0, 48))
+            plain = dec.generate(prompt_ids=ids, options=req.choice_options(0, 48), draft="none")
+            assert spec.token_ids == plain.token_ids, (spec.text, plain.text)
 
 
 def test_a_schema_the_grammar_cannot_compile_names_tools(smollm):

@@ -21,6 +21,14 @@ vocabulary. A :class:`GrammarConstraint` follows one generation:
 - end of generation is allowed only where the grammar is complete: llguidance's mask holds
   the end-of-generation tokens only in accepting states.
 
+A *lazy* grammar (``Grammar.trigger``, a regular expression; llama.cpp's lazy grammars, PR
+#9639) allows any text that does not open the trigger, and constrains the output once it
+does (a tool call: only the tools' names and their arguments' schemas are left). Once the
+text can no longer open it, the grammar allows any text from there on, so the constraint
+retires (no mask, no cost); it does so at the same position for drafts and for committed
+tokens, so speculation keeps the output of plain decoding under the same rule. A lazy grammar
+that llguidance cannot compile constrains nothing (the calls are then read from free text).
+
 Dimension letters: V = vocabulary size, K = drafted tokens.
 """
 
@@ -55,11 +63,14 @@ def _llguidance():
 class Grammar:
     """What the output must match. kind: one of GRAMMAR_KINDS; source: the JSON schema (as a
     JSON string), the regular expression or the Lark grammar ("" for json_object).
-    name: where it came from, for error messages (a file name, "response_format")."""
+    name: where it came from, for error messages (a file name, "response_format").
+    trigger: for a lazy grammar (see the module docstring), the regular expression of the text
+    that opens what it constrains; the grammar itself must allow any text that does not."""
 
     kind: str
     source: str = ""
     name: str = "grammar"
+    trigger: str = ""  # a lazy grammar's opening (a regular expression); "" for a grammar from the first token
 
     @classmethod
     def json_schema(cls, schema: dict | str, name: str = "json_schema") -> "Grammar":
@@ -178,8 +189,27 @@ class GrammarConstraint:
     def __init__(self, grammar: Grammar, backend: "Backend") -> None:
         self.n_vocab = backend.n_vocab
         self.eog_ids = backend.eog_ids
-        self.matcher = _compiled(grammar, lltokenizer(backend)).deep_copy()
         self._pending: list[int] = []  # tokens consumed past the committed prefix (scratch)
+        self._gate = None  # a lazy grammar's trigger, followed over the committed text
+        self.retired = False  # a lazy grammar whose trigger the text can no longer open: no constraint
+        try:
+            self.matcher = _compiled(grammar, lltokenizer(backend)).deep_copy()
+        except SpecDecodeError:
+            if not grammar.trigger:
+                raise
+            self.retired = True
+            return
+        if grammar.trigger:
+            gate = Grammar("regex", f"{grammar.trigger}(?s:.*)", name=grammar.name)
+            self._gate = _compiled(gate, lltokenizer(backend)).deep_copy()
+
+    def _leaves_trigger(self, tokens: Sequence[int]) -> int | None:
+        """The index of the first of tokens (after the committed ones) with which the text can
+        no longer open a lazy grammar's trigger; None when it still can (or no trigger)."""
+        if self._gate is None:
+            return None
+        n = int(self._gate.validate_tokens([int(t) for t in tokens]))
+        return n if n < len(tokens) else None
 
     def _to(self, pending: Sequence[int]) -> bool:
         """Move the scratch path to committed + pending (rolling back what differs); False
@@ -203,7 +233,7 @@ class GrammarConstraint:
         ever committed, and a row of all -inf would have no distribution to sample from.
         Raises SpecDecodeError if ``pending`` leaves the grammar (callers pass only
         drafts that :meth:`valid_prefix` allowed)."""
-        if any(int(t) in self.eog_ids for t in pending):
+        if any(int(t) in self.eog_ids for t in pending) or self.retired or self._leaves_trigger(pending) is not None:
             return np.ones(self.n_vocab, dtype=bool)
         if not self._to(pending):
             raise SpecDecodeError("internal: a pending token leaves the grammar")
@@ -212,19 +242,34 @@ class GrammarConstraint:
 
     def valid_prefix(self, draft_ids: Sequence[int]) -> int:
         """How many leading tokens of draft_ids [K] the grammar allows after the committed prefix."""
+        if self.retired:
+            return len(draft_ids)
         self._to(())
-        return int(self.matcher.validate_tokens([int(t) for t in draft_ids]))
+        m = self._leaves_trigger(draft_ids)
+        upto = draft_ids if m is None else draft_ids[:m + 1]
+        n = int(self.matcher.validate_tokens([int(t) for t in upto]))
+        return len(draft_ids) if m is not None and n == m + 1 else n
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance the state by committed tokens (never by rejected drafts)."""
+        if self.retired:
+            return
         self._to(())
-        for t in tokens:
+        m = self._leaves_trigger(tokens)
+        for t in tokens if m is None else tokens[:m + 1]:
             if not self.matcher.consume_token(int(t)):
                 raise SpecDecodeError(f"internal: committed token {t} leaves the grammar: {self.matcher.get_error()}")
+        if m is not None:
+            self.retired = True
+        elif self._gate is not None:
+            for t in tokens:
+                self._gate.consume_token(int(t))
 
     @property
     def accepting(self) -> bool:
         """The committed text is complete under the grammar (end of generation allowed)."""
+        if self.retired:
+            return True
         self._to(())
         return bool(self.matcher.is_accepting())
 

@@ -309,6 +309,12 @@ class ToolCallFormat(ABC):
         """The grammar of output that is exactly one call (several: one or more) of one of
         the tools ``schemas`` names, its arguments valid for that tool's parameters schema."""
 
+    @abstractmethod
+    def lazy_grammar(self, schemas: dict[str, dict]) -> Grammar:
+        """tool_choice auto: a lazy grammar (``Grammar.trigger``) that allows any text that does
+        not open a call, and once the text opens one, only calls of the tools ``schemas`` names
+        with arguments valid for their schemas, to the end of the output."""
+
 
 class HermesFormat(ToolCallFormat):
     """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``: Hermes, Qwen2 and
@@ -332,6 +338,37 @@ class HermesFormat(ToolCallFormat):
                           *(f'fn_{i}: {lit(lit(name) + ", " + lit("arguments") + ": ")} '
                             f'%json {json.dumps(schemas[name])}' for i, name in enumerate(names))])
         return Grammar("lark", lark, name="tools")
+
+
+    # What opens a call at the start of a message (as the parser's start mode reads it): the tag,
+    # or the call object, bare or in a code fence, once its first key is "name".
+    TRIGGER = r'\s*(<tool_call>|(```(json|xml)?\n)?\s*\{\s*"name")'
+
+    def lazy_grammar(self, schemas: dict[str, dict]) -> Grammar:
+        """llama.cpp's lazy grammar for Hermes 2 Pro (its trigger on the tag and on "good bad"
+        outputs: the object in a fence or bare): any text that does not start like a call;
+        else the tagged calls (one or more), or one fenced or bare call, each of a tool's name
+        with arguments valid for its schema, then whitespace at most. Each opening is one lexeme with
+        its leading whitespace, so that the lexer never has to take back a whitespace lexeme."""
+        names = list(schemas)
+        lit = json.dumps
+        lark = "\n".join([
+            "start: OTHER | tagged | fenced | bare",
+            f"OTHER: /(?s:.*)/ & ~/{self.TRIGGER}(?s:.*)/",
+            "tagged: TAG_OPEN call TAG_CLOSE (TAG_OPEN call TAG_CLOSE)* TRAIL?",
+            "fenced: FENCE_OPEN call FENCE_CLOSE TRAIL?",
+            "bare: BARE_OPEN call OBJECT_CLOSE TRAIL?",
+            r"TRAIL: /\s+/",
+            r'TAG_OPEN: /\s*<tool_call>\s*\{\s*"name"\s*:\s*/',
+            r"TAG_CLOSE: /\s*\}\s*<\/tool_call>/",
+            r'FENCE_OPEN: /\s*```(json|xml)?\n\s*\{\s*"name"\s*:\s*/',
+            r"FENCE_CLOSE: /\s*\}\s*```/",
+            r'BARE_OPEN: /\s*\{\s*"name"\s*:\s*/',
+            r"OBJECT_CLOSE: /\s*\}/",
+            r'ARGUMENTS: /\s*,\s*"arguments"\s*:\s*/',
+            "call: " + " | ".join(f"call_{i}" for i in range(len(names))),
+            *(f"call_{i}: {lit(lit(name))} ARGUMENTS %json {json.dumps(schemas[name])}" for i, name in enumerate(names))])
+        return Grammar("lark", lark, name="tools", trigger=self.TRIGGER)
 
 
 FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(),)

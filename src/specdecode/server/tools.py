@@ -49,10 +49,11 @@ class ToolRequest:
         params = fn.get("parameters")
         return _NO_PARAMETERS if params is None else params if "type" in params else {"type": "object", **params}
 
-    def grammar(self) -> Grammar | None:
-        """The grammar forcing the calls (tool_choice required or named), None under auto."""
+    def grammar(self) -> Grammar:
+        """The grammar forcing the calls (tool_choice required or named); under auto, the lazy
+        grammar that constrains a call once the output opens one (llama.cpp's lazy grammar)."""
         if self.choice == "auto":
-            return None
+            return self.format.lazy_grammar({n: self.schema(n) for n in self.names})
         names = self.names if self.name is None else (self.name,)
         return self.format.grammar({n: self.schema(n) for n in names}, several=self.name is None and self.parallel)
 
