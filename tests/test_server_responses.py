@@ -285,8 +285,12 @@ def test_a_response_whole_and_streamed_as_the_client_reads_them(client):
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == ANSWER.decode() == final.output_text and len(deltas) > 1
     assert {e.item_id for e in events if hasattr(e, "item_id")} == {final.output[0].id}
-    assert final.model_dump(exclude={"id", "created_at", "output", "speculation"}) == \
-        whole.model_dump(exclude={"id", "created_at", "output", "speculation", "metadata"}) | {"metadata": {}}
+    # The same fields, but usage's cached tokens: the stream reused the prompt the first request read.
+    assert final.usage.input_tokens_details.cached_tokens == final.usage.input_tokens - 1
+    assert final.model_dump(exclude={"id", "created_at", "output", "speculation", "usage"}) == \
+        whole.model_dump(exclude={"id", "created_at", "output", "speculation", "metadata", "usage"}) | {"metadata": {}}
+    assert final.usage.model_dump(exclude={"input_tokens_details"}) == \
+        whole.usage.model_dump(exclude={"input_tokens_details"})
 
 
 def test_max_output_tokens_ends_incomplete(client):

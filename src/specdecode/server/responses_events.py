@@ -28,9 +28,11 @@ def _id(prefix: str) -> str:
 
 
 def usage(result: Any) -> dict:
-    """The Responses usage of a generation (no reasoning tokens; prefix reuse is not billed here, so no cached ones)."""
+    """The Responses usage of a generation: no reasoning tokens; cached_tokens, the prompt's tokens
+    reused from the slot's cache (not read again), as Chat Completions reports them."""
     prompt, completion = result.stats.prompt_tokens, result.stats.completion_tokens
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+    cached = result.stats.prompt_cached or 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 
