@@ -250,3 +250,45 @@ def test_a_measurement_that_fails_is_said_once_and_the_server_goes_on(cache):
     assert len(told) == 1 and "measuring the cost curve failed" in told[0]
     assert dec.drafter.target_cost.base(33) == pytest.approx(33 * dec.drafter.target_cost.base(1))  # kept
     dec.close()
+
+
+def test_a_long_cached_prompt_is_kept_for_the_next_turn(cache):
+    """An agent's turns: the second prompt is the first one and more, seconds later. Measuring
+    between them would overwrite the slot's cache (Codex's second turn read its 9,221 tokens
+    again); while a slot holds a prompt of KEEP_CACHE_TOKENS or more the measurement waits
+    keep_cache_s after the last request, and the next turn reuses the prompt. With no wait
+    (the negative control) the measurement runs between the turns and nothing is reused."""
+    from specdecode.server.worker import KEEP_CACHE_TOKENS
+
+    first = "x" * (KEEP_CACHE_TOKENS + 100)
+    for keep_s, reused in ((3600.0, True), (0.0, False)):
+        target = ClockedBytes()
+        target.name = f"bytes, keep {keep_s}"  # a cache key of its own: a whole measurement is pending
+        dec = background_decoder(target)
+        cal = dec.calibration
+        assert cal.pending
+        parts = []
+
+        def a_part() -> None:  # a measurement that never ends: each part overwrites the slots' caches
+            dec.engine.forget_prefix()
+            parts.append(1)
+            time.sleep(0.001)
+
+        cal.run_one = a_part
+        app = create_app(dec)
+        app.state.worker.keep_cache_s = keep_s
+        with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            body = {"model": target.name, "prompt": first, "max_tokens": 2, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            done = len(parts)
+            if not reused:  # wait until the worker has measured a part (a bound, not a timing)
+                deadline = time.monotonic() + 60
+                while len(parts) == done:
+                    assert time.monotonic() < deadline, "the worker never measured"
+                    time.sleep(0.01)
+            r = http.post("/v1/completions", json={**body, "prompt": first + "yy"}).json()
+            cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert (cached >= len(first) - 1) if reused else cached == 0, (keep_s, cached)
+            if reused:
+                assert len(parts) == done  # nothing measured between the turns
+        dec.close()

@@ -8,7 +8,6 @@ deltas travel to the asyncio side through each job's event queue (:mod:`.jobs`).
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import threading
 import time
@@ -25,15 +24,23 @@ from .prepare import Prepared, Preparer, request_error
 from .extensions import trace_of
 from .metrics import Metrics
 from .jobs import Job, event_size
+from .logprobs_format import LogprobsFormat
 from .protocol import APIError, GenRequest
 from .toolcalls import tool_call_format
+
+# Measuring between requests (control.calibration) overwrites what the slots cached: while a slot
+# holds a prompt of this many tokens, the measurement waits KEEP_CACHE_S after the last request, so
+# that an agent's next turn (it comes seconds later, its prompt the last one and more) reuses it.
+KEEP_CACHE_TOKENS = 512
+KEEP_CACHE_S = 30.0
+
 
 @dataclass(eq=False)
 class _Running:
     """A job holding a slot: its current choice's generation and what it has produced."""
 
     job: Job
-    logprobs: "_LogprobsFormat | None"
+    logprobs: "LogprobsFormat | None"
     index: int = 0  # the choice being generated
     prepared: Prepared | None = None  # the prompt's and inputs' tokens (once for all choices)
     gen: Any = None  # the engine's Generation of this choice
@@ -83,6 +90,8 @@ class Worker:
         # Chunked prefill: how much of a prompt to read between two steps.
         self.chunker = PrefillChunker(split=getattr(decoder.target, "prefill_split", None))
         self.clock: Callable[[], float] = time.perf_counter  # what the chunker's costs are timed with
+        self.keep_cache_s = KEEP_CACHE_S  # see _keep_cache_for
+        self._idle_since = float("-inf")  # when the last request ended (time.monotonic)
         self.metrics = metrics_factory(self)
 
     def queue_len(self) -> int:
@@ -162,9 +171,11 @@ class Worker:
         calibration = getattr(self.decoder, "calibration", None)  # measured between requests (control.calibration)
         while True:
             with self._cond:
-                while not self._waiting and not self._active and not self._stop and \
-                        not (calibration is not None and calibration.pending):
-                    self._cond.wait()
+                while not self._waiting and not self._active and not self._stop:
+                    hold = self._keep_cache_for() if calibration is not None and calibration.pending else None
+                    if hold is not None and hold <= 0:
+                        break  # measure a part
+                    self._cond.wait(hold)
                 stopping = self._stop
                 idle = not self._waiting and not self._active
                 admitted = []
@@ -194,9 +205,18 @@ class Worker:
                 for r in list(self._active):
                     self._fail(r, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
-    def _logprobs_format(self, req: GenRequest) -> "_LogprobsFormat | None":
+    def _keep_cache_for(self) -> float:
+        """Seconds to wait before measuring between requests (a measurement overwrites what the
+        slots cached): while a slot holds a prompt of KEEP_CACHE_TOKENS or more, until
+        ``keep_cache_s`` after the last request ended, so that an agent's next turn, seconds
+        later, still reuses it; else none."""
+        if max((s.cached_len for s in self.decoder.engine.slots), default=0) < KEEP_CACHE_TOKENS:
+            return 0.0
+        return self.keep_cache_s - (time.monotonic() - self._idle_since)
+
+    def _logprobs_format(self, req: GenRequest) -> "LogprobsFormat | None":
         """A fresh formatter for one choice's logprobs, when the request asks for them."""
-        return _LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None else None
+        return LogprobsFormat(req.kind, self.decoder.target.token_bytes) if req.logprobs is not None else None
 
     def _guarded(self, r: _Running, action: Callable[[_Running], None]) -> None:
         """Run action(r); a failure ends this job alone with its error (400 for what the
@@ -225,6 +245,8 @@ class Worker:
         with self._cond:
             if r in self._active:
                 self._active.remove(r)
+            if not self._active:
+                self._idle_since = time.monotonic()
 
     def _start(self, r: _Running) -> None:
         """Tokenize the job's prompt and begin its first choice (prefilled in its slot)."""
@@ -328,53 +350,3 @@ class Worker:
         # answered sees its request in them.
         self.metrics.record([res for res, _ in r.results], r.job.arrival, r.first or end, end)
         r.job.post("choice", (r.index, result, lp))
-
-
-class _LogprobsFormat:
-    """TokenLogprob entries in the endpoint's OpenAI shape (built on the worker thread: the
-    backend is only touched from it).
-
-    A token need not hold whole characters: byte-level vocabularies split a multi-byte
-    character over several tokens. Chat gives each token its UTF-8 ``bytes`` (a client
-    joins them), and as ``token`` its text, with the bytes of an incomplete character
-    escaped (``"\\xe6\\x97"``), never U+FFFD. Completions (legacy) write such a token
-    as OpenAI does, ``"bytes:\\xe6\\x97"`` (every byte of the token escaped), and its
-    text_offset counts the characters of the choice's text completed before the token's
-    first byte (continuing across the chunks of a stream): a token inside a split
-    character gets that character's offset, and no offset passes the text's end."""
-
-    def __init__(self, kind: str, token_bytes: Callable[[int], bytes]) -> None:
-        self.kind = kind
-        self.token_bytes = token_bytes
-        self.offset = 0  # characters completed so far
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        data = self.token_bytes(token_id)
-        return {"token": data.decode("utf-8", errors="backslashreplace"), "logprob": logprob, "bytes": list(data)}
-
-    def _legacy_token(self, token_id: int) -> str:
-        data = self.token_bytes(token_id)
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-    def format(self, entries: list) -> dict:
-        """The logprobs object of these entries (the next ones of the choice)."""
-        if self.kind == "chat":
-            return {"content": [
-                {**self._chat_entry(lp.token_id, lp.logprob),
-                 "top_logprobs": [self._chat_entry(i, v) for i, _, v in lp.top_logprobs]}
-                for lp in entries
-            ], "refusal": None}
-        offsets = []
-        for lp in entries:
-            offsets.append(self.offset)
-            self.offset += len(self._decoder.decode(self.token_bytes(lp.token_id)))
-        return {
-            "tokens": [self._legacy_token(lp.token_id) for lp in entries],
-            "token_logprobs": [lp.logprob for lp in entries],
-            "top_logprobs": [{self._legacy_token(i): v for i, _, v in lp.top_logprobs} for lp in entries],
-            "text_offset": offsets,
-        }
