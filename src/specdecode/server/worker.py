@@ -289,7 +289,7 @@ class Worker:
 
     def _step(self) -> None:
         """One batched step of every running generation (decode first); post their deltas;
-        then one chunk of the oldest prompt still being read (chunked prefill, sized by
+        then one chunk of the prompt with the least left to read (chunked prefill, sized by
         :class:`specdecode.engine.chunking.PrefillChunker`); finish the choices that are done."""
         running = [r for r in self._active if r.gen is not None and not r.gen.prefilling and not r.gen.done
                    and not r.stopped]
@@ -303,8 +303,9 @@ class Worker:
                     r.first = time.perf_counter()
                 self._post_delta(r, delta)
         reading = [r for r in self._active if r.gen is not None and r.gen.prefilling]
-        if reading:
-            self._guarded(reading[0], lambda r: self._read_chunk(r, decoding=bool(running)))
+        if reading:  # the prompt with the least left to read first: a short one never waits for a long one
+            r = min(reading, key=lambda r: len(r.gen.committed) - 1 - r.gen.slot.cached_len)
+            self._guarded(r, lambda r: self._read_chunk(r, decoding=bool(running)))
         for r in [r for r in self._active if r.gen is not None and not r.gen.prefilling and (r.gen.done or r.stopped)]:
             self._guarded(r, self._finish_choice)
 
