@@ -186,31 +186,36 @@ def stream_text(url: str, body: dict, out: list) -> None:
                 out.append(json.loads(line[6:])["choices"][0]["text"])
 
 
-def test_a_short_answer_streams_through_a_long_prompts_prefill():
-    backend = ClockedBytes(hold_after=1)  # the short answer's second step waits until the long prompt is queued
-    long_prompt = "x" * 3000
+def two_streams(backend: ClockedBytes, first: dict, second: dict) -> tuple[str, str]:
+    """Stream ``first`` on a two-slot server over backend; once the backend holds (its gate),
+    stream ``second``, and open the gate when that request waits in the worker's queue (so it
+    arrives while the first is under way, whatever the machine's speed). Returns both texts."""
+    outs: tuple[list, list] = ([], [])
     with Decoder(target=backend, draft="none", num_speculative_tokens=0, parallel=2, progress=False) as dec:
         app = create_app(dec)
         worker = app.state.worker
         worker.clock = backend.clock
         with ServerThread(app) as s:
-            short, long = [], []
-            a = threading.Thread(target=stream_text, args=(s.url, {"model": MODEL, "prompt": "hi", "max_tokens": 32,
-                                                                    "temperature": 0, "stream": True}, short))
-            a.start()
+            threads = [threading.Thread(target=stream_text, args=(s.url, {"model": MODEL, "temperature": 0,
+                                                                           "stream": True, **body}, out))
+                       for body, out in zip((first, second), outs)]
+            threads[0].start()
             assert backend.holding.wait(WAIT)
-            b = threading.Thread(target=stream_text, args=(s.url, {"model": MODEL, "prompt": long_prompt,
-                                                                    "max_tokens": 4, "temperature": 0,
-                                                                    "stream": True}, long))
-            b.start()
+            threads[1].start()
             deadline = time.monotonic() + WAIT
-            while worker.queue_len() < 1:  # the long prompt waits for the next admission
-                assert time.monotonic() < deadline, "the long prompt never reached the worker"
+            while worker.queue_len() < 1:
+                assert time.monotonic() < deadline, "the second request never reached the worker"
                 time.sleep(0.01)
             backend.gate.set()
-            a.join(WAIT)
-            b.join(WAIT)
-    assert "".join(short) == "a" * 32 and "".join(long) == "a" * 4
+            for t in threads:
+                t.join(WAIT)
+    return "".join(outs[0]), "".join(outs[1])
+
+
+def test_a_short_answer_streams_through_a_long_prompts_prefill():
+    backend = ClockedBytes(hold_after=1)  # the short answer's second step waits until the long prompt is queued
+    short, long = two_streams(backend, {"prompt": "hi", "max_tokens": 32}, {"prompt": "x" * 3000, "max_tokens": 4})
+    assert short == "a" * 32 and long == "a" * 4
     seq_long = max(backend.log, key=lambda e: e[1])[0]  # the largest forward reads the long prompt
     chunks = [(start, end) for seq, n, rows, start, end in backend.log if seq == seq_long and rows == 0]
     short_steps = [end for seq, n, rows, start, end in backend.log if seq != seq_long and rows > 0]
@@ -256,28 +261,8 @@ def test_a_short_prompt_is_read_before_a_long_one_that_came_first():
     (bench-serve measured TTFT 46 s for such chats when the oldest prompt was read first)."""
     backend = ClockedBytes(hold_reads=1)  # the long prompt's second chunk waits until the chat is queued
     backend.prefill_split = 64
-    with Decoder(target=backend, draft="none", num_speculative_tokens=0, parallel=2, progress=False) as dec:
-        app = create_app(dec)
-        worker = app.state.worker
-        worker.clock = backend.clock
-        with ServerThread(app) as s:
-            short, long = [], []
-            b = threading.Thread(target=stream_text, args=(s.url, {"model": MODEL, "prompt": "x" * 3000,
-                                                                    "max_tokens": 4, "temperature": 0,
-                                                                    "stream": True}, long))
-            b.start()
-            assert backend.holding.wait(WAIT)
-            a = threading.Thread(target=stream_text, args=(s.url, {"model": MODEL, "prompt": "hi", "max_tokens": 8,
-                                                                    "temperature": 0, "stream": True}, short))
-            a.start()
-            deadline = time.monotonic() + WAIT
-            while worker.queue_len() < 1:
-                assert time.monotonic() < deadline, "the chat never reached the worker"
-                time.sleep(0.01)
-            backend.gate.set()
-            a.join(WAIT)
-            b.join(WAIT)
-    assert "".join(short) == "a" * 8 and "".join(long) == "a" * 4
+    long, short = two_streams(backend, {"prompt": "x" * 3000, "max_tokens": 4}, {"prompt": "hi", "max_tokens": 8})
+    assert short == "a" * 8 and long == "a" * 4
     seq_long = max(backend.log, key=lambda e: e[1])[0]
     long_reads = [start for seq, n, rows, start, end in backend.log if seq == seq_long and rows == 0]
     short_steps = [end for seq, n, rows, start, end in backend.log if seq != seq_long and rows > 0]
