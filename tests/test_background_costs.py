@@ -44,7 +44,7 @@ class ClockedBytes(ByteBackend):
     ``clock`` by scripted_t(n) and is recorded in ``sizes``."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(n_ctx=1024)  # too short for context costs (tests/test_context_costs.py): the curve's parts alone
         self.now = 0.0
         self.sizes: list[int] = []
 

@@ -20,6 +20,7 @@ from ..backends.llama_tree import TREE_BRANCHES
 from ..control.calibration import Calibration
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
+from ..control.context_costs import cached_context_costs
 from ..control.costcache import cached_forward_curve, cached_measurement, rewrite_from_live
 from ..control.costmodel import ObservedCurve
 from ..control.sources import SharedCosts
@@ -213,6 +214,8 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
     if calibration is None:
         measured = cached_measurement(target, ns, cache, on_measure=_say_measuring if load_opts["progress"] else None)
         shared = SharedCosts(ObservedCurve(measured.curve), kmax + 1, on_drift)
+        shared.set_context_costs(cached_context_costs(target, cache, _say_measuring_context if load_opts["progress"]
+                                                      else None))
     else:
         shared = calibration.costs(ns, kmax + 1, on_drift)
     names = list(choice.names)
@@ -228,7 +231,7 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
         raise
     controller = SpeculationController(sources, shared.curve.base, kmax=kmax, learn_costs=True, shared=shared)
     if calibration is None:
-        controller.measurement_note = measured.note()
+        controller.measurement_note = "; ".join(x for x in (measured.note(), shared.context_note()) if x)
     else:
         calibration.report_to(controller)
     return controller
@@ -236,6 +239,11 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
 
 def _say_measuring(ns) -> None:
     print(f"specdecode: measuring the target's forward time T(n) at {len(ns)} sizes, once per model and machine "
+          "(cached: later starts skip it)...", file=sys.stderr, flush=True)
+
+
+def _say_measuring_context() -> None:
+    print("specdecode: measuring what a long context adds to the target's forward time, once per model and machine "
           "(cached: later starts skip it)...", file=sys.stderr, flush=True)
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Sequence
 
 from ..backends.base import Backend
+from .context_costs import (ContextCosts, cached_context_costs_steps, context_cost_steps, fitting,
+                            read_cached_context_costs)
 from .costcache import cached_measurement_steps, read_cached
 from .costmodel import CostCurve, ObservedCurve
 from .invariance import invariant_steps, read_invariant_block, write_invariant_block
@@ -98,7 +100,9 @@ class Calibration:
         cached, need = read_cached(self.target, ns, self.cache_dir)
         if cached is not None and need == "use":
             self._note = cached.note()
-            return SharedCosts(ObservedCurve(cached.curve), n_max, on_drift)
+            shared = SharedCosts(ObservedCurve(cached.curve), n_max, on_drift)
+            self._context_costs(shared)
+            return shared
         base = cached.curve if cached is not None else self._conservative(ns)
         shared = SharedCosts(ObservedCurve(base), n_max, None)
         what = "checked (T(n) at 3 sizes)" if need == "check" else f"measured (T(n) at {len(ns)} sizes)"
@@ -111,7 +115,7 @@ class Calibration:
         def done(m: Measurement) -> None:
             kept = m.curve == base
             shared.install(shared.curve if kept else ObservedCurve(m.curve), on_drift)
-            self._note = m.note()
+            self._note = "; ".join(x for x in (m.note(), shared.context_note()) if x)
             self._report(self._note)
             self._tell("specdecode: the cached cost curve is kept (the check agreed, or the machine was too busy "
                        "to judge it)" if kept else "specdecode: the cost curve is measured: the controller plans "
@@ -119,7 +123,28 @@ class Calibration:
 
         steps = cached_measurement_steps(self.target, ns, self.cache_dir, measure=self._measure_steps)
         self._jobs.append(_Job("cost curve", steps, done))
+        self._context_costs(shared)
         return shared
+
+    def _context_costs(self, shared: SharedCosts) -> None:
+        """Plan at each request's context: with the cached context costs, or once they are
+        measured (a job after the curve's; nothing where the window is too short for them)."""
+        cached = read_cached_context_costs(self.target, self.cache_dir)
+        if cached is not None or not fitting(self.target)[0]:
+            shared.set_context_costs(cached)
+            self._note = "; ".join(x for x in (self._note, shared.context_note()) if x)
+            return
+
+        def done(cc: ContextCosts) -> None:
+            shared.set_context_costs(cc)
+            self._note = "; ".join(x for x in (self._note, shared.context_note()) if x)
+            self._report(self._note)
+            self._tell("specdecode: what a long context adds to a forward is measured: steps are planned at their "
+                       "request's context from now on")
+
+        steps = cached_context_costs_steps(self.target, self.cache_dir,
+                                           measure=lambda b: context_cost_steps(b, timer=lambda: self.timer()))
+        self._jobs.append(_Job("context costs", steps, done))
 
     def report_to(self, controller: Any) -> None:
         """Keep ``controller.measurement_note`` (the statistics' ``controller:`` line) saying how
@@ -158,7 +183,8 @@ class Calibration:
         return bool(self._jobs)
 
     def measuring(self) -> list[str]:
-        """What is being measured, for /health: "cost curve", "invariant block" (empty when done)."""
+        """What is being measured, for /health: "cost curve", "context costs", "invariant block"
+        (empty when done)."""
         return [job.name for job in self._jobs]
 
     def run_one(self) -> None:

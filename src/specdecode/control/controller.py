@@ -117,8 +117,8 @@ class SpeculationController(PlannedDrafter):
         self.measurement_note = ""  # how the cost curve was measured, when it is worth saying
         self.choice = SourceSet(self.sources)  # which sources this generation may draft with
         self._tree_expected: float | None = None  # the last tree's summed node probabilities
-        # whether propose() ran this step, its seconds, and the step's own verification
-        self._proposed, self._draft_s, self._own_verify = False, 0.0, None
+        # whether propose() ran this step, its seconds, its own verification, the tokens before it (T(n, c) read at)
+        self._proposed, self._draft_s, self._own_verify, self._context_len = False, 0.0, None, 0
 
     last_source = property(lambda self: self._last.name if self._last is not None else None,
                            doc="The name of the source whose draft the last proposal returned (None: none).")
@@ -130,8 +130,8 @@ class SpeculationController(PlannedDrafter):
 
     @property
     def _T(self) -> np.ndarray:
-        """T(n) for n = 0..kmax+1 at least (a batched plan reads further)."""
-        return self._costs.table
+        """T(n) for n = 0..kmax+1 at least (a batched plan reads further), at this generation's context."""
+        return self._costs.table_at(self._context_len)
 
     def fork(self, seq: int) -> "SpeculationController":
         """A controller for another concurrent generation: its drafters forked onto sequence
@@ -219,12 +219,13 @@ class SpeculationController(PlannedDrafter):
         it is a sample of the curve; when it verified only this generation's block, the guard
         judges the step."""
         if sample:
-            self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES)
+            self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES, self._context_len)
         self._own_verify = seconds if n <= (self._last_rows if self._proposed and self._last is not None else 1) else None
 
     def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[Plan]:
         """The plan of each drafter worth trying after context, unsorted: its best K at its
         estimated acceptance, or a probe."""
+        self._context_len = len(context)
         plans = []
         for s in self.sources:
             if not self.choice.allows(s):
@@ -275,7 +276,8 @@ class SpeculationController(PlannedDrafter):
             return None
         best = max(plans, key=lambda p: (p.k > 0, p.rate if p.k > 0 else p.estimator.expected(1)))
         self._offered = best
-        return DraftOffer(best.estimator.expected_upto(best.cap), best.source.draft_cost, self._costs)
+        return DraftOffer(best.estimator.expected_upto(best.cap), best.source.draft_cost,
+                          self._costs.at(len(context)))
 
     def set_quota(self, k: int | None) -> None:
         """The batch planner's K for the next proposal (with the drafter of the last offer);
@@ -297,6 +299,7 @@ class SpeculationController(PlannedDrafter):
 
     def _propose(self, context: Sequence[int], k: int) -> Draft:
         quota, offered, self._quota, self._offered = self._quota, self._offered, None, None
+        self._context_len = len(context)
         if self.choice.fixed:
             plans = [Plan(0.0, s, k, False, s.estimator_for(context)[0]) for s in self.sources if self.choice.allows(s)]
             plans = [p for p in plans if p.estimator is not None]
@@ -313,7 +316,7 @@ class SpeculationController(PlannedDrafter):
             t0, behind = time.perf_counter(), isinstance(s.drafter, IncrementalDrafter) and s.drafter.pending(context) > 4
             draft = s.drafter.propose(context, plan.k)
             drafted_s = time.perf_counter() - t0
-            draft, levels, first = shape_tree(draft, s, self._costs, drafted_s)  # a tree: the prefix that pays
+            draft, levels, first = shape_tree(draft, s, self._costs.at(self._context_len), drafted_s)  # a tree: the prefix that pays
             self._tree_expected = sum(draft.node_probs) if draft.parents is not None and draft.node_probs else None
             if draft.token_ids:
                 # The measured one-token forward underestimates what drafting really costs (sampling, Python):

@@ -151,6 +151,10 @@ class ObservedCurve:
     smaller one. So a measured curve that was wrong in shape (T(1) measured during a burst) cannot
     make an unobserved size look cheap or dear beyond what the observed ones permit.
 
+    With ``context`` costs (:class:`.context_costs.ContextCosts`, set once measured), a step
+    after c cached tokens is expected to cost base(n) + extra(n, c): a sample's ratio is taken
+    to that, and :meth:`table` plans at a given context with the same ratios.
+
     base: the measured curve. window: samples per point kept. min_samples: samples that make
     a point trusted.
     """
@@ -171,6 +175,7 @@ class ObservedCurve:
         self._base_s = np.asarray(base.seconds, dtype=np.float64)
         self._values: np.ndarray | None = None
         self._base_table = np.array([base(1)])  # base(n) for n = 0..len-1, grown on demand
+        self.context = None  # ContextCosts, once measured
 
     @property
     def drift(self) -> float:
@@ -178,9 +183,9 @@ class ObservedCurve:
         measurement no longer describes the machine."""
         return _median(self._all) if self._all else 1.0
 
-    def observe(self, n: int, seconds: float) -> None:
-        """One step forwarded n tokens in ``seconds``."""
-        r = seconds / self.base(n)
+    def observe(self, n: int, seconds: float, context: int = 0) -> None:
+        """One step forwarded n tokens in ``seconds`` after ``context`` cached tokens."""
+        r = seconds / (self.base(n) + (self.context(n, context) if self.context is not None else 0.0))
         j = int(np.argmin(np.abs(self._ns - n)))
         self._recent[j].append(r)
         self._all.append(r)
@@ -235,12 +240,16 @@ class ObservedCurve:
     def __call__(self, n: int) -> float:
         return self.base(n) * float(np.interp(n, self._ns, self.ratios()))
 
-    def table(self, n_max: int) -> np.ndarray:
-        """[n_max + 1] T(n) for n = 0..n_max (T(0) := T(1)), in one vectorised pass."""
+    def table(self, n_max: int, context: int = 0) -> np.ndarray:
+        """[n_max + 1] T(n) for n = 0..n_max (T(0) := T(1)) after ``context`` cached tokens, in
+        one vectorised pass."""
         if len(self._base_table) <= n_max:
             self._base_table = curve_table(self.base, n_max)
         n = np.arange(n_max + 1)
-        return self._base_table[: n_max + 1] * np.interp(np.maximum(n, 1), self._ns, self.ratios())
+        base = self._base_table[: n_max + 1]
+        if self.context is not None and context > self.context.base_context:
+            base = base + self.context.row(n_max, context)
+        return base * np.interp(np.maximum(n, 1), self._ns, self.ratios())
 
     def grounded(self) -> bool:
         """Whether live samples pin the curve at both ends of what is planned with: trusted at

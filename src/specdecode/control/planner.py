@@ -30,7 +30,8 @@ class DraftOffer:
 
     expected: [K+1] expected committed tokens of a step drafting k = 0..K (expected[0] = 1;
     non-decreasing, with non-increasing increments). cost_s: seconds per drafted token.
-    costs: the target's T(n) table source (``upto(n)`` -> T[0..>=n], seconds).
+    costs: the target's T(n) at this generation's context (:class:`.sources.CostsAt`: ``upto(n)`` ->
+    T[0..>=n] seconds; ``upto(n, context)`` at another context).
     """
 
     expected: np.ndarray
@@ -76,8 +77,10 @@ def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], c
         return
     fixed = sum(1 + (caps[i] if offers[i] is None else 0) for i in range(len(drafters)))
     gains = [np.diff(offers[i].expected) for i in planned]
+    context = int(np.mean([len(c) for c in contexts]))  # the rows' extra cost: as if all were at the mean context
+    costs = offers[planned[0]].costs
     quotas = allocate_drafts(gains, [offers[i].cost_s for i in planned], fixed, float(len(drafters)),
-                             offers[planned[0]].costs.upto)
+                             lambda n: costs.upto(n, context))
     for i, q in zip(planned, quotas):
         drafters[i].set_quota(q)
 

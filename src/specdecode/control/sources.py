@@ -34,47 +34,80 @@ DRIFT_GROUNDING_SAMPLES = 4
 class SharedCosts:
     """T(n) as every fork of one controller plans with it: the curve (measured, or
     :class:`ObservedCurve` when costs are learned) and its table T[0..n], grown on demand
-    (a batched step reaches n = generations * (kmax + 1))."""
+    (a batched step reaches n = generations * (kmax + 1)), one per context planned at (in
+    buckets of CONTEXT_BUCKET tokens) once the curve has context costs
+    (:class:`.context_costs.ContextCosts`: :meth:`set_context_costs`)."""
+
+    CONTEXT_BUCKET = 128  # tokens: contexts this close share a table (a 33-token block: ~1% of T apart)
 
     def __init__(self, curve: CostCurve | ObservedCurve, n_max: int,
                  on_drift: Callable[[str, CostCurve | None], None] | None = None) -> None:
         self.curve = curve
         self.on_drift = on_drift
         self._n_max = n_max
-        self._table_now: np.ndarray | None = None  # recomputed when asked after an observation
+        self._tables: dict[int, np.ndarray] = {}  # context bucket -> T[0..n_max]; emptied by an observation
 
     def install(self, curve: CostCurve | ObservedCurve,
                 on_drift: Callable[[str, CostCurve | None], None] | None) -> None:
         """Plan with ``curve`` from the next step on, every fork alike, and report drift from it
         to on_drift: a curve measured between a server's requests replacing the one it served
-        with meanwhile (:mod:`.calibration`). Called on the thread that steps."""
+        with meanwhile (:mod:`.calibration`). Called on the thread that steps. Context costs
+        already known stay."""
+        if isinstance(curve, ObservedCurve) and curve.context is None:
+            curve.context = self.context_costs
         self.curve = curve
         self.on_drift = on_drift
-        self._table_now = None
+        self._tables = {}
+
+    @property
+    def context_costs(self) -> Any:
+        """The :class:`.context_costs.ContextCosts` planned with, or None."""
+        return getattr(self.curve, "context", None)
+
+    def context_note(self) -> str:
+        """What the statistics say of the context costs planned with ("" for none)."""
+        return self.context_costs.note() if self.context_costs is not None else ""
+
+    def set_context_costs(self, costs: Any) -> None:
+        """Plan each step at its context from now on (a curve not learned from live steps keeps
+        one table)."""
+        if isinstance(self.curve, ObservedCurve):
+            self.curve.context = costs if costs is not None and costs.measured else None
+            self._tables = {}
 
     @property
     def table(self) -> np.ndarray:
-        """T(0..n_max) as now planned with."""
-        if self._table_now is None:
-            self._table_now = self._table(self._n_max)
-        return self._table_now
+        """T(0..n_max) as now planned with, after a short context."""
+        return self.table_at(0)
 
-    def _table(self, n_max: int) -> np.ndarray:
-        T = self.curve
-        return T.table(n_max) if isinstance(T, ObservedCurve) else curve_table(T, n_max)
+    def table_at(self, context: int) -> np.ndarray:
+        """T(0..n_max) as now planned with after ``context`` cached tokens."""
+        b = context // self.CONTEXT_BUCKET * self.CONTEXT_BUCKET if self.context_costs is not None else 0
+        t = self._tables.get(b)
+        if t is None:
+            T = self.curve
+            t = self._tables[b] = T.table(self._n_max, b) if isinstance(T, ObservedCurve) else \
+                curve_table(T, self._n_max)
+        return t
 
-    def upto(self, n: int) -> np.ndarray:
-        """T(0..>=n) (T(0) := T(1))."""
+    def upto(self, n: int, context: int = 0) -> np.ndarray:
+        """T(0..>=n) (T(0) := T(1)) after ``context`` cached tokens."""
         if self._n_max < n:
-            self._n_max, self._table_now = max(n, 2 * self._n_max), None
-        return self.table
+            self._n_max, self._tables = max(n, 2 * self._n_max), {}
+        return self.table_at(context)
 
-    def observe(self, n: int, seconds: float, bounds: tuple[float, float], min_samples: int) -> None:
+    def at(self, context: int) -> "CostsAt":
+        """These costs as one generation plans with them, at its context."""
+        return CostsAt(self, context)
+
+    def observe(self, n: int, seconds: float, bounds: tuple[float, float], min_samples: int,
+                context: int = 0) -> None:
+        """A step verified n tokens after ``context`` cached tokens in ``seconds``."""
         T = self.curve
         if not isinstance(T, ObservedCurve):
             return
-        T.observe(n, seconds)
-        self._table_now = None
+        T.observe(n, seconds, context)
+        self._tables = {}
         if self.on_drift is None or T.samples < min_samples or T.samples % DRIFT_CHECK_EVERY:
             return
         lo, hi = bounds
@@ -90,6 +123,21 @@ class SharedCosts:
                           f"{ratios.min():.2f}-{ratios.max():.2f}x at the observed sizes{where}, "
                           f"after {T.samples} steps", T.live_curve() if grounded else None)
             self.on_drift = None
+
+
+class CostsAt(NamedTuple):
+    """:class:`SharedCosts` at one generation's context (what a tree's shaping and a batch's
+    offer read): ``table``, ``upto(n)``; ``upto(n, context)`` at another (a batch's mean)."""
+
+    shared: SharedCosts
+    context: int
+
+    @property
+    def table(self) -> np.ndarray:
+        return self.shared.table_at(self.context)
+
+    def upto(self, n: int, context: int | None = None) -> np.ndarray:
+        return self.shared.upto(n, self.context if context is None else context)
 
 
 @dataclass
