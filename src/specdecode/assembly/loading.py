@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import registry
 from ..backends.base import Backend
+from ..backends.llama_attention import resolve_attention
 from ..backends.llama_cpp import LlamaCppBackend
 from ..backends.llama_tree import TREE_BRANCHES
 from ..control.calibration import Calibration
@@ -66,9 +67,15 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
     kind = backend_kind(name_or_path, backend)
     if kind == "llama.cpp":
         path = registry.resolve(name_or_path, progress=progress)
-        return _known(LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq,
-                                      tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence,
-                                      kv_reserve=kv_reserve))
+        b = LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq,
+                            tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence,
+                            kv_reserve=kv_reserve)
+        try:
+            resolve_attention(b, say=None if progress else lambda line: None)
+        except BaseException:
+            b.close()
+            raise
+        return _known(b)
     if n_seq != 1:
         raise SpecDecodeError(f"the torch backend serves one sequence at a time: {n_seq} parallel sequences "
                               f"(--parallel {n_seq}) need the llama.cpp backend (a GGUF model)", param="parallel")

@@ -22,7 +22,7 @@ from .llama_heads import numpy_heads
 from .llama_tree import forward_tree, keep_rows
 from .llama_vocab import control_token_ids, read_eog, read_fim_tokens
 from .llama_buffers import load_model
-from .llama_lib import FLASH_ATTENTION_MODES, default_threads, flash_attention, init_llama, last_error
+from .llama_lib import context_params, default_threads, flash_attention, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
 class LlamaCppBackend(BackendBase):
@@ -103,19 +103,12 @@ class LlamaCppBackend(BackendBase):
         self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
 
         self.kv_shared = not kv_per_sequence and n_seq > 1  # (a tree's branch cells are cleared after its step)
-        cparams = self._context_params(n_ctx, n_seq, tree_branches, kv_per_sequence, n_threads)
-        ctx = llama_cpp.llama_init_from_model(model, cparams)
-        if not ctx:
-            self.close()
-            raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}{last_error()}")
-        self._ctx = ctx
-        self._mem = llama_cpp.llama_get_memory(ctx)
-        # llama.cpp rounds the context up (to a multiple of 256): the limit is the one asked for.
-        self._n_ctx = min(n_ctx, int(llama_cpp.llama_n_ctx(ctx)) // n_seq)
+        self._shape = (n_ctx, n_seq, tree_branches, kv_per_sequence, n_threads)
+        self._open_context()
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1 + tree_branches)
-        self._seq_lens = [0] * n_seq
         self._tree_branches = tree_branches
         self.n_threads = n_threads
+        self.attention_note = ""  # how the attention path was chosen (:mod:`.llama_attention`)
 
         self._embeddings = False  # whether the context outputs embeddings (llama_set_embeddings)
         self._n_embd = int(self._lib.llama_model_n_embd(self._model))
@@ -124,23 +117,30 @@ class LlamaCppBackend(BackendBase):
         self._piece_cache: dict[int, bytes] = {}
         self._special_texts: frozenset[str] | None = None
 
-    def _context_params(self, n_ctx: int, n_seq: int, tree_branches: int, kv_per_sequence: bool, n_threads: int):
-        """llama.cpp's context parameters: n_seq sequences of n_ctx cells (one unified buffer
-        unless kv_per_sequence), tree branch sequences, the batch and output-row sizes, threads
-        and the attention kernel."""
-        cparams = self._lib.llama_context_default_params()
-        cparams.n_ctx = n_ctx * n_seq
-        cparams.n_batch = self._n_batch
-        cparams.n_ubatch = self._n_batch
-        cparams.n_seq_max = n_seq + tree_branches
-        cparams.kv_unified = not kv_per_sequence
-        # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
-        cparams.n_outputs_max = self._rows_max
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = n_threads
-        cparams.no_perf = True
-        cparams.flash_attn_type = FLASH_ATTENTION_MODES[self._flash_attention]
-        return cparams
+    def _open_context(self) -> None:
+        """A llama.cpp context over the model with this backend's shape and attention path; its cache empty."""
+        n_ctx, n_seq, tree_branches, kv_per_sequence, n_threads = self._shape
+        ctx = self._lib.llama_init_from_model(self._model, context_params(
+            self._lib, n_ctx, n_seq, self._n_batch, self._rows_max, tree_branches, kv_per_sequence, n_threads,
+            self._flash_attention))
+        if not ctx:
+            self.close()
+            raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}{last_error()}")
+        self._ctx, self._mem = ctx, self._lib.llama_get_memory(ctx)
+        # llama.cpp rounds the context up (to a multiple of 256): the limit is the one asked for.
+        self._n_ctx = min(n_ctx, int(self._lib.llama_n_ctx(ctx)) // n_seq)
+        self._seq_lens = [0] * n_seq
+
+    def use_attention(self, mode: str, note: str = "") -> None:
+        """Compute attention as ``mode`` ("auto", "on", "off") from now on: a new context, every
+        sequence's cache empty (:mod:`.llama_attention` chooses it at load). note: why."""
+        self._require_open()
+        if mode != self._flash_attention:
+            self._lib.llama_free(self._ctx)
+            self._ctx, self._flash_attention = None, mode
+            self._open_context()
+            self._embeddings = False
+        self.attention_note = note
 
     @property
     def cost_key(self) -> str:
@@ -165,7 +165,8 @@ class LlamaCppBackend(BackendBase):
         """The buffer choice and what llama.cpp reported holding the weights:
         "repack (CPU_REPACK 597 MiB, CPU_Mapped 1060 MiB)"."""
         held = ", ".join(f"{name} {mib:.0f} MiB" for name, mib in sorted(self._weight_buffers.items()))
-        return f"{self._buffers} ({held})" if held else self._buffers
+        return (f"{self._buffers} ({held})" if held else self._buffers) + \
+            f"; flash attention {self._flash_attention}" + (f" ({self.attention_note})" if self.attention_note else "")
 
     @property
     def flash_attention(self) -> str:

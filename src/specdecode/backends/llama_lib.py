@@ -89,7 +89,9 @@ def flash_attention() -> str:
     it, T(1) 43-44 ms against 47-48 ms; after 64 tokens within noise. But without it no block of two or more rows has bitwise the logits of
     one-token steps (the measured invariant block falls from 3 to 1 on the default target, from
     33 to 1 on smollm2), so strict mode verifies one token a forward and seeded sampling under
-    speculation no longer gives plain decoding's text. Hence the default keeps it.
+    speculation no longer gives plain decoding's text. Unset, the path is chosen by measurement
+    where the model loads (:mod:`.llama_attention`); this returns "auto" then, what the backend
+    starts with.
 
     Raises SpecDecodeError for any other value, naming it.
     """
@@ -100,6 +102,32 @@ def flash_attention() -> str:
         raise SpecDecodeError(f"{FLASH_ATTENTION_ENV}={os.environ[FLASH_ATTENTION_ENV]!r} is not a choice: expected "
                               f"{', '.join(FLASH_ATTENTION_MODES)}")
     return value
+
+
+def context_params(lib, n_ctx: int, n_seq: int, n_batch: int, rows_max: int, tree_branches: int,
+                   kv_per_sequence: bool, n_threads: int, flash: str):
+    """llama.cpp's context parameters: n_seq sequences of n_ctx cells (one unified buffer unless
+    kv_per_sequence), tree branch sequences, n_batch tokens a call, rows_max logit rows, threads
+    and the attention kernel (``flash``: a key of FLASH_ATTENTION_MODES)."""
+    cparams = lib.llama_context_default_params()
+    cparams.n_ctx = n_ctx * n_seq
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = n_batch
+    cparams.n_seq_max = n_seq + tree_branches
+    cparams.kv_unified = not kv_per_sequence
+    # Logit rows per ubatch: verification needs K+1 <= 33 rows a sequence, never n_batch of them.
+    cparams.n_outputs_max = rows_max
+    cparams.n_threads = n_threads
+    cparams.n_threads_batch = n_threads
+    cparams.no_perf = True
+    cparams.flash_attn_type = FLASH_ATTENTION_MODES[flash]
+    return cparams
+
+
+def attention_requested() -> bool:
+    """Whether SPECDECODE_LLAMA_FLASH_ATTN names the attention path (else it is measured:
+    :mod:`.llama_attention`)."""
+    return bool(os.environ.get(FLASH_ATTENTION_ENV, "").strip())
 
 
 def default_threads() -> int:
