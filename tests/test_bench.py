@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdecode.bench import (CATEGORIES, BenchConfig, add_bench_parser, config_from_args, load_prompts, markdown,
-                              parse_config, print_table, run_bench, select_prompts, summarize)
+from specdecode.bench import (CATEGORIES, LONG_CONTEXT_CATEGORIES, BenchConfig, add_bench_parser, config_from_args,
+                              load_prompts, markdown, parse_config, print_table, run_bench, select_prompts, summarize)
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_NUM_SPECULATIVE_TOKENS
 from specdecode.sampling import SamplingParams
@@ -24,7 +24,8 @@ from specdecode.sampling import SamplingParams
 def test_builtin_suite_has_eight_prompts_per_category():
     prompts = load_prompts(None)
     for cat in CATEGORIES:
-        least = 6 if cat in ("predicted_edits", "agent") else 4 if cat in EDITOR_CATEGORIES else 8
+        least = 6 if cat in ("predicted_edits", "agent") else 4 if cat in EDITOR_CATEGORIES else \
+            1 if cat in LONG_CONTEXT_CATEGORIES else 8
         assert sum(p.category == cat for p in prompts) >= least, cat
     assert len({p.id for p in prompts}) == len(prompts)
 
@@ -41,6 +42,11 @@ def test_edits_and_agent_prompts_carry_their_prediction():
             assert p.prediction in p.messages[-1]["content"], p.id
         elif p.category in EDITOR_CATEGORIES:
             assert p.prediction and p.prediction in p.messages[-1]["content"] + p.messages[-3]["content"], p.id
+        elif p.category in LONG_CONTEXT_CATEGORIES:
+            tools = [m["content"] for m in p.messages if m["role"] == "tool"]
+            sent = p.messages[-1]["content"] + p.messages[-3]["content"] if p.category.startswith("edit_large") \
+                else "\n".join(tools)
+            assert p.prediction and p.prediction in sent, p.id
         else:
             assert p.prediction is None, p.id
     agent = [p for p in prompts if p.category == "agent"]
@@ -48,6 +54,27 @@ def test_edits_and_agent_prompts_carry_their_prediction():
 
 
 EDITOR_CATEGORIES = ("edit_whole", "edit_search_replace", "edit_udiff", "agent_tool_result")
+
+
+def test_long_context_categories_send_thousands_of_tokens_and_run_only_when_named():
+    """An edit in a large file (aider's whole format) and an agent's turn after long read_file results,
+    at about 2k, 4k and 8k tokens (about 4 characters a token of this code); the whole suite's run
+    leaves them out, naming them runs them."""
+    prompts = load_prompts(None)
+    chars = {p.category: sum(len(m["content"]) for m in p.messages) for p in prompts
+             if p.category in LONG_CONTEXT_CATEGORIES}
+    assert set(chars) == set(LONG_CONTEXT_CATEGORIES)
+    for cat, n in chars.items():
+        k = int(cat.rsplit("_", 1)[1].rstrip("k"))
+        assert 0.8 * k * 4000 <= n <= 1.3 * k * 4400, (cat, n)
+    for p in prompts:
+        if p.category.startswith("edit_large"):
+            assert "*file listing*" in p.messages[0]["content"] and p.tools is None
+        elif p.category.startswith("agent_long"):
+            assert p.messages[-1]["role"] == "tool" and p.tools[0]["function"]["name"] == "read_file"
+    assert not {p.category for p in select_prompts(prompts)} & set(LONG_CONTEXT_CATEGORIES)
+    named = select_prompts(prompts, ["edit_large_4k", "agent_long_2k"])
+    assert [p.id for p in named] == ["edit_large_4k-01", "agent_long_2k-01"]
 
 
 def test_editor_categories_send_what_editors_and_agents_send():

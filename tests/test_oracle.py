@@ -65,6 +65,25 @@ def test_a_non_monotonic_cost_makes_the_oracle_take_the_longer_block():
     assert oracle_replay(prompt, output, flat, [NgramDrafter()]).steps[1].k == 11
 
 
+def test_at_a_long_context_each_step_is_priced_there():
+    """With context costs, the first example's steps cost T(n) + extra(n, c): after 1,000 tokens of
+    prompt every forward of n tokens costs n * 0.5 s more, so the 5-token block (K = 4) costs
+    1.8 + 2.5 = 4.3 s against 5 plain steps of 1.5 s; the oracle still takes it (5/4.3 > 1/1.5) and
+    the plain time is 11 steps of 1.5 s. Negative control: without them the curve's figures."""
+    from specdecode.control.context_costs import ContextCosts
+
+    pad = list(range(200, 1200))  # 1,000 tokens that recur nowhere, before the first example's prompt
+    prompt, output = pad + [1, 2, 3, 4, 5, 6, 7, 8, 0], [1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 9]
+    # extra(n, c) = 0.5 n at c >= 1,000 (flat beyond: the two contexts carry the same extra).
+    cc = ContextCosts(64, (999, 5000), (1, 33), ((0.5, 16.5), (0.5, 16.5)))
+    r = oracle_replay(prompt, output, LINEAR, [NgramDrafter()], context_costs=cc)
+    assert [(s.position, s.k) for s in r.steps] == [(0, 0), (1, 4), (6, 0), (7, 1), (9, 1)]
+    assert r.time_s == pytest.approx(2 * 1.5 + (1.8 + 2.5) + 2 * (1.2 + 1.0))
+    assert r.plain_s == pytest.approx(11 * 1.5)
+    plain = oracle_replay(prompt, output, LINEAR, [NgramDrafter()])
+    assert plain.time_s == pytest.approx(6.2) and plain.plain_s == pytest.approx(11.0)
+
+
 def test_no_matches_is_plain_decoding():
     r = oracle_replay([1, 2, 3], [4, 5, 6, 7], LINEAR, [NgramDrafter()])
     assert all(s.k == 0 and s.drafter is None for s in r.steps) and len(r.steps) == 4

@@ -44,14 +44,14 @@ from .config import BenchConfig
 from .report import markdown, plots, print_table, summarize, vary_table, write_outputs
 from .runner import copy_limit, open_decoder, peak_rss_mb, run_bench
 from .runs import history_as, history_keepers
-from .suite import CATEGORIES, BenchPrompt, load_prompts, parse_config, select_prompts
+from .suite import CATEGORIES, LONG_CONTEXT_CATEGORIES, BenchPrompt, load_prompts, parse_config, select_prompts
 from .tools import cpu_name, free_port, serve_process
 from .vary import SETTINGS, Vary, parse_vary
 
 __all__ = [
     "BenchConfig", "run_bench", "open_decoder", "peak_rss_mb", "copy_limit", "history_as", "history_keepers",
     "SETTINGS", "Vary", "parse_vary", "cpu_name", "free_port", "serve_process",
-    "CATEGORIES", "BenchPrompt", "load_prompts", "parse_config", "select_prompts",
+    "CATEGORIES", "LONG_CONTEXT_CATEGORIES", "BenchPrompt", "load_prompts", "parse_config", "select_prompts",
     "OracleResult", "OracleStep", "lookup_drafters", "oracle_replay", "oracle_speedup",
     "PromptLookupPeer", "TransformersPeer", "decode_rate", "torch_draft_model",
     "summarize", "markdown", "plots", "print_table", "vary_table", "write_outputs",

@@ -11,6 +11,9 @@ target's own); n of the proposal agree with the output. The oracle takes the ste
 (min(n, K) + 1) / T(K + 1) (K = 0 is a plain step, T(1)), and advances min(n, K) + 1.
 Ties go to the smaller K, then to the earlier drafter. Oracle time is the sum of the step
 costs; plain time is len(output) * T(1); oracle speedup = plain time / oracle time >= 1.
+With context costs (:class:`specdecode.control.context_costs.ContextCosts`), every step is
+priced at its context: T(n) + extra(n, c) with c the tokens before it, plain steps alike
+("the oracle at its context").
 
 Only drafters without model cost fit this definition (lookups: prompt lookup, suffix
 drafting): a draft model's proposals and cost are not known offline.
@@ -23,6 +26,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from ..control.costmodel import CostCurve
 from ..drafters.base import Drafter, DraftingRequest
@@ -70,7 +75,8 @@ def matched_prefix(proposal: Sequence[int], output: Sequence[int], i: int) -> in
 
 
 def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve, drafters: Sequence[Drafter],
-                  kmax: int = MAX_NUM_SPECULATIVE_TOKENS, prediction: Sequence[int] | None = None) -> OracleResult:
+                  kmax: int = MAX_NUM_SPECULATIVE_TOKENS, prediction: Sequence[int] | None = None,
+                  context_costs=None) -> OracleResult:
     """The oracle over one request (see the module docstring).
 
     prompt, output: token ids (output: the target's greedy completion). cost: T(n).
@@ -78,12 +84,15 @@ def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve,
     is started with the prompt and, at the end, told ``finish(prompt + output)``, so a
     drafter that learns across requests (suffix drafting) has seen this one before the
     next. kmax: the largest K, at most MAX_NUM_SPECULATIVE_TOKENS. prediction: the request's
-    predicted output (token ids), handed to the drafters that follow one.
+    predicted output (token ids), handed to the drafters that follow one. context_costs: what a
+    step costs more at its context (None: every step at the curve's).
     """
     if not 0 <= kmax <= MAX_NUM_SPECULATIVE_TOKENS:
         raise ValueError(f"kmax = {kmax} outside 0..{MAX_NUM_SPECULATIVE_TOKENS}")
     prompt, output = [int(t) for t in prompt], [int(t) for t in output]
-    t = [0.0] + [cost(n) for n in range(1, kmax + 2)]  # t[n] = T(n)
+    t0 = np.array([cost(1)] + [cost(n) for n in range(1, kmax + 2)])  # t0[n] = T(n)
+    priced = context_costs is not None and context_costs.measured
+    plain_s, time_s = 0.0, 0.0
     sampler = Sampler(SamplingParams())  # greedy; lookups ignore it
     for d in drafters:
         d.start(prompt, sampler)
@@ -93,6 +102,7 @@ def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve,
     while i < len(output):
         cap = min(kmax, len(output) - i - 1)
         ctx = prompt + output[:i]
+        t = t0 + context_costs.row(kmax + 1, len(ctx)) if priced else t0  # T(n) at this step's context
         best, best_rate = OracleStep(i, None, 0, 0), 1.0 / t[1]
         if cap > 0:
             for j, d in enumerate(drafters):
@@ -103,12 +113,16 @@ def oracle_replay(prompt: Sequence[int], output: Sequence[int], cost: CostCurve,
                     if rate > best_rate or (rate == best_rate and k < best.k):
                         best, best_rate = OracleStep(i, j, k, n), rate
         steps.append(best)
+        if priced:
+            time_s += float(t[best.k + 1])
+            plain_s += float(sum(t0[1] + context_costs(1, len(prompt) + j) for j in range(i, i + best.advanced)))
         i += best.advanced
     for d in drafters:
         d.finish(prompt + output)
-    # Summed per K, so that an all-plain replay costs exactly len(output) * T(1).
-    time_s = sum(c * t[k + 1] for k, c in sorted(Counter(s.k for s in steps).items()))
-    return OracleResult(time_s, len(output) * t[1], tuple(steps))
+    if not priced:  # summed per K, so that an all-plain replay costs exactly len(output) * T(1)
+        time_s = sum(c * float(t0[k + 1]) for k, c in sorted(Counter(s.k for s in steps).items()))
+        plain_s = len(output) * float(t0[1])
+    return OracleResult(time_s, plain_s, tuple(steps))
 
 
 def oracle_speedup(results: Sequence[OracleResult]) -> float | None:

@@ -32,6 +32,7 @@ from ..assembly.loading import make_speculation
 from ..api import Decoder
 from ..backends.base import Backend
 from ..control.costmodel import CostCurve
+from ..control.context_costs import cached_context_costs
 from ..control.costcache import cached_forward_curve
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import SpeculativeEngine
@@ -115,22 +116,24 @@ def _open_variants(config: BenchConfig, variants: list[Variant]) -> None:
 
 
 def _add_oracle(runs: list[tuple[list[int], list[int], list[dict], list[int] | None]], drafts: dict[str, str],
-                oracle_drafters: dict[str, list], curve: CostCurve) -> None:
+                oracle_drafters: dict[str, list], curve: CostCurve, context_costs=None) -> None:
     """Replay each run's plain greedy output (prompt ids, output ids, its rows, its prediction), in bench
     order, with the oracle over each draft's lookup drafters (kept across runs, so suffix
     history accumulates as in the engines; a prompt's +prediction replay starts from the
     history its first replay started from, as :func:`specdecode.bench.runs.time_prompt` runs it), and set each
     row's oracle_time_s and oracle_plain_time_s (seconds: the oracle's, and len(output) * T(1)).
-    One replay per draft serves every configuration of that draft ("ngram:3" and "ngram:auto")."""
+    One replay per draft serves every configuration of that draft ("ngram:3" and "ngram:auto").
+    context_costs: each step priced at its context (:func:`.oracle.oracle_replay`)."""
     for ids, out, rows, prediction in runs:
         res: dict[tuple[str, bool], OracleResult] = {}
         for d, ds in oracle_drafters.items():  # as the engines run: +prediction from the history before the first
             learners = history_keepers(ds) if prediction else []
             before = [x.history_state() for x in learners]
-            res[d, False] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS)
+            res[d, False] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS, context_costs=context_costs)
             if prediction:
                 with history_as(learners, before):
-                    res[d, True] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS, prediction=prediction)
+                    res[d, True] = oracle_replay(ids, out, curve, ds, MAX_NUM_SPECULATIVE_TOKENS, prediction=prediction,
+                                                 context_costs=context_costs)
         for row in rows:
             r = res.get((drafts[row["config"]], row["config"].endswith(WITH_PREDICTION)))
             if r is not None:
@@ -170,12 +173,14 @@ def _run_peer(peer, assisted: bool, ids: list[int], p: BenchPrompt) -> tuple[flo
 
 def _oracle_setup(v: Variant, drafts: dict[str, str]) -> None:
     """Set the variant's oracle lookup drafters per draft (kept across prompts) and the target's
-    T(n). The oracle needs greedy outputs and drafters without model cost. The curve is measured
+    T(n) and context costs. The oracle needs greedy outputs and drafters without model cost. The curve is measured
     (or read from the cache) before any generation, as the controller's is: measuring rolls
     the target's cache back."""
     if v.params.greedy:
         v.oracle_drafters = {d: ds for d in dict.fromkeys(drafts.values()) if (ds := lookup_drafters(d)) is not None}
     v.curve = cached_forward_curve(v.dec.target, COST_CURVE_NS, registry.cache_dir()) if v.oracle_drafters else None
+    if v.curve is not None:
+        v.context_costs = cached_context_costs(v.dec.target, registry.cache_dir())
 
 
 def _warm_up(prompts: list[BenchPrompt], ids_of, v: Variant) -> None:
@@ -294,7 +299,7 @@ def run_bench(config: BenchConfig) -> dict:
             v.close()
     for v in variants:
         if v.curve is not None:  # after the timed runs, so the replays never delay them
-            _add_oracle(v.runs, drafts, v.oracle_drafters, v.curve)
+            _add_oracle(v.runs, drafts, v.oracle_drafters, v.curve, v.context_costs)
     names = [v.name(c) for v in variants for c in v.engines]
     # Then the +prediction and +trees runs, in the order they first ran.
     names += [c for c in dict.fromkeys(run_label(r["config"], r["vary"]) for r in rows) if c not in names]

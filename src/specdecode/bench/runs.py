@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..api import Decoder
 from ..control.costmodel import CostCurve
@@ -46,6 +47,7 @@ class Variant:
     note: str = ""
     oracle_drafters: dict[str, list] = field(default_factory=dict)
     curve: CostCurve | None = None
+    context_costs: Any = None  # what a step costs more at its context (the oracle prices each step at its own)
     runs: list = field(default_factory=list)
     shares_target: bool = False
 

@@ -18,7 +18,11 @@ from ..limits import MAX_NUM_SPECULATIVE_TOKENS, check_num_speculative_tokens
 # The built-in suite's categories, in the order reports list them.
 CATEGORIES = ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn", "repeat",
               "json_schema", "predicted_edits", "agent", "edit_whole", "edit_search_replace", "edit_udiff",
-              "agent_tool_result", "fim")
+              "agent_tool_result", "fim", "edit_large_2k", "edit_large_4k", "edit_large_8k", "agent_long_2k",
+              "agent_long_4k", "agent_long_8k")
+# Prompts of thousands of tokens (benchmarks/long_context_suite.py): minutes each on a small CPU, so run
+# only when named (--categories); a run of the whole suite leaves them out.
+LONG_CONTEXT_CATEGORIES = CATEGORIES[-6:]
 DEFAULT_BENCH_MAX_TOKENS = 128  # tokens, for prompts without their own max_tokens
 
 
@@ -133,13 +137,14 @@ def _fim_fields(obj: dict, has_prefix: bool, where: str) -> tuple[str | None, tu
 
 def select_prompts(prompts: Sequence[BenchPrompt], categories: Iterable[str] | None = None,
                    per_category: int | None = None) -> list[BenchPrompt]:
-    """The prompts in ``categories`` (all when None), at most ``per_category`` of each (all
-    when None), in file order. Raises SpecDecodeError when none are left."""
+    """The prompts in ``categories`` (when None, all but the LONG_CONTEXT_CATEGORIES), at most
+    ``per_category`` of each (all when None), in file order. Raises SpecDecodeError when none
+    are left."""
     wanted = set(categories) if categories else None
     seen: dict[str, int] = {}
     out = []
     for p in prompts:
-        if wanted is not None and p.category not in wanted:
+        if p.category not in wanted if wanted is not None else p.category in LONG_CONTEXT_CATEGORIES:
             continue
         seen[p.category] = seen.get(p.category, 0) + 1
         if per_category is None or seen[p.category] <= per_category:

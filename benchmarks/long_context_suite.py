@@ -1,0 +1,117 @@
+"""Write the built-in suite's long-context categories: an edit in a large file and an agent's turn
+after long tool outputs, at about 2k, 4k and 8k tokens of prompt (issue 47).
+
+Editors and agents send the file being edited or what tools returned, thousands of tokens of it,
+and the output copies from it. The files are this project's own modules (Apache-2.0), as they were
+when the suite was written (each prompt a different file, so that a bench over several categories
+does not find one prompt's answer in another's history):
+
+- ``edit_large_2k``, ``edit_large_4k``, ``edit_large_8k``: aider's whole-file format
+  (``editor_formats/aider_whole.json``, as in ``edit_whole``) with a rename in the file: the answer
+  is the file again, changed wherever the name occurs; the 8k file is two modules in one;
+- ``agent_long_2k``, ``agent_long_4k``, ``agent_long_8k``: a question, the agent's ``read_file``
+  call(s) and their results in ``tool`` messages (two files at 8k), the tools presented by the chat
+  template, and the answer (quoting a function, then explaining it).
+
+Each prompt carries the file(s) as its ``prediction``, as ``edit_whole`` and ``agent_tool_result``
+do. Prompt sizes in the default target's tokens: about 2.4k, 4.0k and 7.9k (edits), 2.1k, 4.0k
+and 8.0k (agent).
+
+    python benchmarks/long_context_suite.py --out bench-out/bench_suite.jsonl
+
+reads the package's suite, rewrites those categories and writes the whole suite to ``--out``
+(never into the package). To change the suite the package ships, review the file and copy it
+over ``src/specdecode/data/bench_suite.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib import resources
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMATS = Path(__file__).resolve().parent / "editor_formats"
+CATEGORIES = ("edit_large_2k", "edit_large_4k", "edit_large_8k", "agent_long_2k", "agent_long_4k", "agent_long_8k")
+MAX_TOKENS = {"edit_large": 448, "agent_long": 256}
+
+# category -> (files joined into the one edited, the name it has, the request)
+EDITS = {
+    "edit_large_2k": (["src/specdecode/textstream.py"], "textstream.py",
+                      "Rename the class StopMatcher to StopSequenceMatcher everywhere in the file."),
+    "edit_large_4k": (["src/specdecode/verify.py"], "verify.py",
+                      "Rename the function committed_tokens to accepted_and_bonus_tokens everywhere in the file."),
+    "edit_large_8k": (["src/specdecode/control/costmodel.py", "src/specdecode/control/costcache.py"], "costs.py",
+                      "Rename the function expected_tokens to expected_committed everywhere in the file (also "
+                      "where it is named in docstrings)."),
+}
+_READ = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+# category -> (question, files read, one read_file call each)
+AGENT = {
+    "agent_long_2k": ("What does NgramDrafter.propose do when there is no match? Show me the whole method, then "
+                      "explain it.", ["src/specdecode/drafters/ngram.py"]),
+    "agent_long_4k": ("How does OutputAccumulator decide how many tokens remain? Show me the whole method, then "
+                      "explain it.", ["src/specdecode/output.py"]),
+    "agent_long_8k": ("When does the worker stop, and how does Sampler.draw pick a token? Show me both methods "
+                      "whole, then explain them.", ["src/specdecode/server/worker.py", "src/specdecode/sampling.py"]),
+}
+
+
+def read(paths: list[str]) -> str:
+    return "\n\n".join((ROOT / p).read_text(encoding="utf-8").rstrip("\n") for p in paths) + "\n"
+
+
+def edit_entries() -> list[dict]:
+    template = json.loads((FORMATS / "aider_whole.json").read_text())
+    out = []
+    for cat, (paths, name, request) in EDITS.items():
+        code = read(paths)
+        messages = [{"role": m["role"], "content": m["content"].replace("{path}", name).replace("{code}", code)
+                     .replace("{request}", request)} for m in template]
+        out.append({"id": f"{cat}-01", "category": cat, "messages": messages, "max_tokens": MAX_TOKENS["edit_large"],
+                    "prediction": code})
+    return out
+
+
+def agent_entries() -> list[dict]:
+    out = []
+    for cat, (question, paths) in AGENT.items():
+        messages = [{"role": "system", "content": "You are a coding assistant with tools. Once a tool's result is in "
+                                                  "the conversation, do not call the tool again: answer the user, "
+                                                  "quoting code exactly as the tool returned it."},
+                    {"role": "user", "content": question}]
+        results = []
+        for i, p in enumerate(paths, 1):
+            call = {"id": f"call_{i}", "type": "function",
+                    "function": {"name": "read_file", "arguments": json.dumps({"path": p.removeprefix("src/")})}}
+            result = read([p])
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": f"call_{i}", "content": result}]
+            results.append(result)
+        out.append({"id": f"{cat}-01", "category": cat, "messages": messages, "tools": [_READ],
+                    "max_tokens": MAX_TOKENS["agent_long"], "prediction": "\n".join(results)})
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out") / "bench_suite.jsonl",
+                    help="where the rewritten suite goes (default: %(default)s)")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
+    kept = [line for line in suite.splitlines() if line.strip() and json.loads(line)["category"] not in CATEGORIES]
+    new = edit_entries() + agent_entries()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(line + "\n" for line in kept + [json.dumps(r) for r in new]))
+    print(f"{args.out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(CATEGORIES)}")
+
+
+if __name__ == "__main__":
+    main()
