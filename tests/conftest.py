@@ -16,8 +16,8 @@ from specdecode.errors import ContextOverflowError
 SMOLLM = "smollm2-135m-instruct"
 
 # The attention path is pinned to llama.cpp's own for the suite (and the processes it starts): chosen by
-# measurement (specdecode.backends.llama_attention), it would differ between the machines CI runs on, and
-# with it each model's invariant block. tests/test_llama_attention.py times both paths with the variable unset.
+# measurement (specdecode.control.attention), it would differ between the machines CI runs on, and
+# with it each model's invariant block. tests/test_attention_path.py measures both paths with the variable unset.
 os.environ.setdefault("SPECDECODE_LLAMA_FLASH_ATTN", "auto")
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from . import registry
 from ..backends.base import Backend
-from ..backends.llama_attention import resolve_attention
 from ..backends.llama_cpp import LlamaCppBackend
 from ..backends.llama_tree import TREE_BRANCHES
+from ..control.attention import resolve_attention
 from ..control.calibration import Calibration
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
@@ -71,7 +71,7 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
                             tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence,
                             kv_reserve=kv_reserve)
         try:
-            resolve_attention(b, say=None if progress else lambda line: None)
+            resolve_attention(b, registry.cache_dir(), say=None if progress else lambda line: None)
         except BaseException:
             b.close()
             raise

@@ -108,7 +108,7 @@ class LlamaCppBackend(BackendBase):
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1 + tree_branches)
         self._tree_branches = tree_branches
         self.n_threads = n_threads
-        self.attention_note = ""  # how the attention path was chosen (:mod:`.llama_attention`)
+        self.attention_note = ""  # how the attention path was chosen (:mod:`specdecode.control.attention`)
 
         self._embeddings = False  # whether the context outputs embeddings (llama_set_embeddings)
         self._n_embd = int(self._lib.llama_model_n_embd(self._model))
@@ -133,7 +133,7 @@ class LlamaCppBackend(BackendBase):
 
     def use_attention(self, mode: str, note: str = "") -> None:
         """Compute attention as ``mode`` ("auto", "on", "off") from now on: a new context, every
-        sequence's cache empty (:mod:`.llama_attention` chooses it at load). note: why."""
+        sequence's cache empty (:mod:`specdecode.control.attention` chooses it at load). note: why."""
         self._require_open()
         if mode != self._flash_attention:
             self._lib.llama_free(self._ctx)

@@ -90,7 +90,7 @@ def flash_attention() -> str:
     one-token steps (the measured invariant block falls from 3 to 1 on the default target, from
     33 to 1 on smollm2), so strict mode verifies one token a forward and seeded sampling under
     speculation no longer gives plain decoding's text. Unset, the path is chosen by measurement
-    where the model loads (:mod:`.llama_attention`); this returns "auto" then, what the backend
+    where the model loads (:mod:`specdecode.control.attention`); this returns "auto" then, what the backend
     starts with.
 
     Raises SpecDecodeError for any other value, naming it.
@@ -126,7 +126,7 @@ def context_params(lib, n_ctx: int, n_seq: int, n_batch: int, rows_max: int, tre
 
 def attention_requested() -> bool:
     """Whether SPECDECODE_LLAMA_FLASH_ATTN names the attention path (else it is measured:
-    :mod:`.llama_attention`)."""
+    :mod:`specdecode.control.attention`)."""
     return bool(os.environ.get(FLASH_ATTENTION_ENV, "").strip())
 
 

@@ -58,7 +58,8 @@ MAX_AGE_S = 14 * 24 * 3600
 class ContextCosts:
     """extra(n, c) = T(n, c) - T(n, base_context) in seconds, measured at ``contexts`` x ``ns``.
 
-    extra: [len(contexts)][len(ns)], non-decreasing along both. Below base_context the extra is 0;
+    extra: [len(contexts)][len(ns)], non-decreasing along both. base: [len(ns)] T(n) after
+    base_context tokens in the same measurement (seconds; () where not kept). Below base_context the extra is 0;
     between measured contexts it is linear in c, from 0 at base_context; beyond the largest, it
     grows along the last segment. In n: linear between measured sizes, beyond the largest along
     the last segment (a batched step of several sequences)."""
@@ -67,6 +68,7 @@ class ContextCosts:
     contexts: tuple[int, ...]
     ns: tuple[int, ...]
     extra: tuple[tuple[float, ...], ...]
+    base: tuple[float, ...] = ()  # T(n, base_context) at ns, measured with them (what the attention paths compare)
 
     def __post_init__(self) -> None:
         if len(self.extra) != len(self.contexts) or any(len(row) != len(self.ns) for row in self.extra):
@@ -75,6 +77,12 @@ class ContextCosts:
             raise ValueError(f"contexts {self.contexts} must ascend, above the base context {self.base_context}")
         if not self.ns or list(self.ns) != sorted(set(self.ns)) or self.ns[0] < 1:
             raise ValueError(f"ns {self.ns} must be ascending sizes >= 1")
+        if self.base and len(self.base) != len(self.ns):
+            raise ValueError("ContextCosts base needs one T(n) per size")
+
+    def total(self, n: int, c: float) -> float:
+        """T(n, c) = base(n) + extra(n, c) in seconds, n one of ns (needs ``base``)."""
+        return self.base[self.ns.index(n)] + self(n, c)
 
     @property
     def measured(self) -> bool:
@@ -118,7 +126,7 @@ class ContextCosts:
 
     def to_dict(self) -> dict:
         return {"base_context": self.base_context, "contexts": list(self.contexts), "ns": list(self.ns),
-                "extra": [list(r) for r in self.extra]}
+                "extra": [list(r) for r in self.extra], "base": list(self.base)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ContextCosts":
@@ -131,7 +139,11 @@ class ContextCosts:
         ok = lambda s: isinstance(s, (int, float)) and not isinstance(s, bool) and 0 <= s <= MAX_FORWARD_S  # noqa: E731
         if not isinstance(extra, list) or not all(isinstance(r, list) and all(ok(s) for s in r) for r in extra):
             raise ValueError(f"every extra must be 0..{MAX_FORWARD_S:g} s, got {extra!r:.60}")
-        return cls(int(base), tuple(contexts), tuple(ns), tuple(tuple(float(s) for s in r) for r in extra))
+        at_base = d.get("base", [])
+        if not isinstance(at_base, list) or not all(ok(s) and s > 0 for s in at_base):
+            raise ValueError(f"every T(n) at the base context must be 0..{MAX_FORWARD_S:g} s, got {at_base!r:.60}")
+        return cls(int(base), tuple(contexts), tuple(ns), tuple(tuple(float(s) for s in r) for r in extra),
+                   tuple(float(s) for s in at_base))
 
 
 def fitting(backend: Backend, contexts: Sequence[int] = CONTEXTS, ns: Sequence[int] = SIZES,
@@ -195,7 +207,8 @@ def context_cost_steps(backend: Backend, contexts: Sequence[int] = CONTEXTS, ns:
     base = medians[base_context]
     extra = np.vstack([np.maximum(medians[c] - base, 0.0) for c in contexts])
     extra = np.maximum.accumulate(np.maximum.accumulate(extra, axis=0), axis=1)
-    return ContextCosts(base_context, tuple(contexts), tuple(ns), tuple(tuple(float(s) for s in r) for r in extra))
+    return ContextCosts(base_context, tuple(contexts), tuple(ns), tuple(tuple(float(s) for s in r) for r in extra),
+                        tuple(float(s) for s in base))
 
 
 def context_cache_path(backend: Backend, cache_dir: Path) -> Path:
@@ -217,7 +230,7 @@ def read_cached_context_costs(backend: Backend, cache_dir: Path, max_age_s: floa
     except (ValueError, KeyError, TypeError, OverflowError):
         return None
     contexts, ns = fitting(backend)
-    return cc if (list(cc.contexts), list(cc.ns)) == (contexts, ns) else None
+    return cc if (list(cc.contexts), list(cc.ns)) == (contexts, ns) and (cc.base or not contexts) else None
 
 
 def cached_context_costs_steps(backend: Backend, cache_dir: Path, on_measure: Callable[[], None] | None = None,

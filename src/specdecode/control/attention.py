@@ -1,0 +1,84 @@
+"""Which attention path llama.cpp runs, chosen by measurement (issue 47, item 3).
+
+llama.cpp's CPU flash-attention kernel (its default, "auto") walks the KV cache once per query
+row; without it a block's rows are multiplied by the cache together. So after a long context a
+forward costs less without it, and after a short one about the same or more. Measured on an AMD
+EPYC with AVX2 only (2 vCPU, default target): T(33) 778 ms with it and 960 ms without after 64
+tokens, 1,006 and 1,038 ms after 1,024 (docs/measured.md); with it, T(33) costs 743 ms more after
+4,096 tokens than after 64. Users do not know to set SPECDECODE_LLAMA_FLASH_ATTN, so where it is
+unset :func:`resolve_attention` measures both paths' context costs on the loaded model
+(:func:`.context_costs.context_cost_steps`: T(n) after 64 tokens and what 1,024 and 4,096 add,
+each path's cached under its own cost key, as the controller then reads them) and keeps the path
+:func:`choose_attention` prefers.
+
+Without flash attention no block of two or more rows has bitwise the logits of one-token steps
+(the measured invariant block is 1; it is measured per path, the path being part of the cost
+key): strict and seeded requests stay exact by verifying one token a forward.
+
+Units: seconds, tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ..backends.llama_lib import attention_requested
+from .context_costs import ContextCosts, cached_context_costs, context_cost_steps, fitting
+
+PATHS = ("auto", "off")  # llama.cpp's own (flash attention on the CPU), and off
+# Flash attention off is chosen where, after the longest context measured, it is at least MARGIN
+# cheaper at every size, and after the base context its one-token step at most SHORT_LOSS dearer.
+MARGIN = 0.05
+SHORT_LOSS = 0.10
+
+
+def choose_attention(costs: dict[str, ContextCosts]) -> str:
+    """"off" or "auto" from both paths' context costs (each with ``base``): see MARGIN and
+    SHORT_LOSS. "auto" where either measured no context."""
+    on, off = costs["auto"], costs["off"]
+    if not (on.measured and off.measured and on.base and off.base):
+        return "auto"
+    c = min(on.contexts[-1], off.contexts[-1])
+    cheaper = all(off.total(n, c) <= (1 - MARGIN) * on.total(n, c) for n in on.ns)
+    short = off.base[0] <= (1 + SHORT_LOSS) * on.base[0]
+    return "off" if cheaper and short else "auto"
+
+
+def note(costs: dict[str, ContextCosts]) -> str:
+    """"T(33) after 4096 tokens 1287 ms without it, 1521 ms with it; T(1) after 64 tokens 54 ms, 53 ms"."""
+    on, off = costs["auto"], costs["off"]
+    n, c = on.ns[-1], min(on.contexts[-1], off.contexts[-1])
+    return (f"T({n}) after {c} tokens {off.total(n, c) * 1000:.0f} ms without it, {on.total(n, c) * 1000:.0f} ms "
+            f"with it; T(1) after {on.base_context} tokens {off.base[0] * 1000:.0f} ms, {on.base[0] * 1000:.0f} ms")
+
+
+def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None = None,
+                      say: Callable[[str], None] | None = None) -> None:
+    """Set the attention path of a loaded llama.cpp backend (its ``use_attention``) where
+    SPECDECODE_LLAMA_FLASH_ATTN does not name it: both paths' context costs, from the cache
+    under ``folder`` or measured now (each path's cached under its cost key), and the path
+    :func:`choose_attention` prefers. A window too short for any context keeps llama.cpp's own.
+    timer: seconds (a test's clock); say: a line before measuring (default: stderr)."""
+    if attention_requested() or not hasattr(backend, "use_attention") or not fitting(backend)[0]:
+        return
+    told = []
+
+    def tell() -> None:
+        if not told:
+            told.append(1)
+            (say or _stderr)("specdecode: timing llama.cpp's attention with and without flash attention after "
+                             "long contexts, once per model and machine (cached: later starts skip it)...")
+
+    measure = (lambda b: context_cost_steps(b, timer=timer)) if timer is not None else context_cost_steps
+    costs = {}
+    for path in PATHS:
+        backend.use_attention(path)
+        costs[path] = cached_context_costs(backend, folder, tell, measure)
+    choice = choose_attention(costs)
+    backend.use_attention(choice, f"chosen by measurement: {note(costs)}" if costs["auto"].base else "")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
