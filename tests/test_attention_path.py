@@ -134,3 +134,15 @@ def test_on_a_real_model_both_paths_run_and_speculation_keeps_plain_decodings_to
             assert spec == plain and len(plain) > 0, path
     finally:
         b.close()
+
+
+def test_a_server_reads_the_choice_from_the_cache_and_never_measures_at_start(unset, tmp_path):
+    """``serve`` answers at once: before both paths are measured it runs llama.cpp's own path and
+    says so; once a first measuring start (generate, bench) cached them, it runs the cheaper one."""
+    b = PathTarget(unset)
+    resolve_attention(b, tmp_path, timer=lambda: b.now, say=lambda line: None, measure=False)
+    assert b.timed == 0 and b.flash_attention == "auto" and "not measured" in b.attention_note
+    resolve(PathTarget(unset), tmp_path)  # a measuring start
+    served = PathTarget(unset)
+    resolve_attention(served, tmp_path, timer=lambda: served.now, say=lambda line: None, measure=False)
+    assert served.timed == 0 and served.flash_attention == "off" and "chosen by measurement" in served.attention_note

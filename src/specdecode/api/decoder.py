@@ -16,13 +16,13 @@ from ..assembly import registry
 from ..backends.base import Backend, claim_backends, release_backends
 from ..backends.fim import FimBudget
 from ..control.calibration import Calibration
-from ..drafters.kinds import MODEL, check_draft_options, kind_of, resolve
+from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
 from ..errors import SpecDecodeError
 from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, \
     check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
-from ..assembly.loading import load_backend, make_speculation
+from ..assembly.loading import load_target, make_speculation
 from ..messages import text_parts
 from ..output import GenerationResult, TextDelta
 from ..request import GenerationOptions
@@ -122,19 +122,10 @@ class Decoder:
         check_tree_width(tree_width)  # before anything loads
         check_max_tree_nodes(max_tree_nodes)
         given = claim_backends(target, draft)
-        if isinstance(target, Backend):
-            if parallel > target.n_seq:
-                release_backends(given)
-                raise SpecDecodeError(f"target {target.name} holds {target.n_seq} sequence(s): parallel = {parallel} "
-                                      f"needs as many", param="parallel")
-            self.target = target
-        else:
-            # Room in memory for a draft model's caches as large as the target's, where one may load.
-            reserve = 2.0 if choice.default_model or any(isinstance(n, str) and kind_of(n)[0] is MODEL
-                                                           for n in choice.names) else 1.0
-            self.target = load_backend(target, backend=backend, n_ctx=n_ctx, n_threads=n_threads, dtype=dtype,
-                                       device=device, progress=progress, n_seq=parallel, trees=bool(max_tree_nodes),
-                                       kv_per_sequence=kv_per_sequence, kv_reserve=reserve)
+        self.target = load_target(target, choice, given, backend=backend, n_ctx=n_ctx, n_threads=n_threads,
+                                  dtype=dtype, device=device, progress=progress, n_seq=parallel,
+                                  trees=bool(max_tree_nodes), kv_per_sequence=kv_per_sequence,
+                                  measure_attention=not background_costs)
         # What context the target holds and why (None for a loaded backend that does not say).
         self.context = getattr(self.target, "context", None)
         if progress and self.context is not None and not isinstance(target, Backend):

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import registry
-from ..backends.base import Backend
+from ..backends.base import Backend, release_backends
 from ..backends.llama_cpp import LlamaCppBackend
 from ..backends.llama_tree import TREE_BRANCHES
 from ..control.attention import resolve_attention
@@ -26,7 +26,7 @@ from ..control.costcache import cached_forward_curve, cached_measurement, rewrit
 from ..control.costmodel import ObservedCurve
 from ..control.sources import SharedCosts
 from ..drafters import Drafter, NoDrafter
-from ..drafters.kinds import Choice, DraftRequest, check_draft_options, kind_of, resolve
+from ..drafters.kinds import MODEL, Choice, DraftRequest, check_draft_options, kind_of, resolve
 from ..drafters.tree import set_tree_options
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
@@ -47,7 +47,7 @@ def backend_kind(name_or_path: str, backend: str = "auto") -> str:
 def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = None, n_threads: int | None = None,
                  dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True,
                  n_seq: int = 1, trees: bool = False, kv_per_sequence: bool = False,
-                 kv_reserve: float = 1.0) -> Backend:
+                 kv_reserve: float = 1.0, measure_attention: bool = True) -> Backend:
     """Load a model on the chosen backend.
 
     n_ctx: tokens a sequence holds; None: what the model was trained for, within the memory
@@ -59,7 +59,9 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
     with TREE_BRANCHES branch sequences; torch always is). kv_per_sequence: llama.cpp keeps
     a KV buffer for each sequence (:class:`LlamaCppBackend`; the torch backend holds one).
 
-    llama.cpp: a registry name (pulled on first use) or a .gguf path.
+    llama.cpp: a registry name (pulled on first use) or a .gguf path; its attention path as
+    :func:`specdecode.control.attention.resolve_attention` chooses it (measure_attention False:
+    from the cache only, as a server that answers at once).
     torch: a Hugging Face folder, a .gguf path (dequantized by transformers), or a registry
     name (its cached conversion from ``specdecode models convert`` if present, else the GGUF).
     Raises SpecDecodeError / ModelFileError naming the model.
@@ -71,7 +73,8 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
                             tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence,
                             kv_reserve=kv_reserve)
         try:
-            resolve_attention(b, registry.cache_dir(), say=None if progress else lambda line: None)
+            resolve_attention(b, registry.cache_dir(), say=None if progress else lambda line: None,
+                              measure=measure_attention)
         except BaseException:
             b.close()
             raise
@@ -88,6 +91,22 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
     elif not path.is_dir():
         registry.check_gguf_file(path)
     return _known(TorchBackend.load(path, dtype=dtype, device=device, n_ctx=n_ctx, name=name_or_path))
+
+
+def load_target(target: "str | Backend", choice: Choice, given: list, **load_opts) -> Backend:
+    """A Decoder's target: the backend the caller gave (it must hold load_opts["n_seq"]
+    sequences: else ``given`` is released and SpecDecodeError raised, param parallel), or the
+    model loaded by :func:`load_backend` with room in memory for a draft model's caches as large
+    as its own where the choice may load one."""
+    if isinstance(target, Backend):
+        if load_opts["n_seq"] > target.n_seq:
+            release_backends(given)
+            raise SpecDecodeError(f"target {target.name} holds {target.n_seq} sequence(s): parallel = "
+                                  f"{load_opts['n_seq']} needs as many", param="parallel")
+        return target
+    reserve = 2.0 if choice.default_model or any(isinstance(n, str) and kind_of(n)[0] is MODEL
+                                                   for n in choice.names) else 1.0
+    return load_backend(target, kv_reserve=reserve, **load_opts)
 
 
 def _known(backend: Backend) -> Backend:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..backends.llama_lib import attention_requested
-from .context_costs import ContextCosts, cached_context_costs, context_cost_steps, fitting
+from .context_costs import ContextCosts, cached_context_costs, context_cost_steps, fitting, read_cached_context_costs
 
 PATHS = ("auto", "off")  # llama.cpp's own (flash attention on the CPU), and off
 # Flash attention off is chosen where, after the longest context measured, it is at least MARGIN
@@ -55,12 +55,14 @@ def note(costs: dict[str, ContextCosts]) -> str:
 
 
 def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None = None,
-                      say: Callable[[str], None] | None = None) -> None:
+                      say: Callable[[str], None] | None = None, measure: bool = True) -> None:
     """Set the attention path of a loaded llama.cpp backend (its ``use_attention``) where
     SPECDECODE_LLAMA_FLASH_ATTN does not name it: both paths' context costs, from the cache
     under ``folder`` or measured now (each path's cached under its cost key), and the path
     :func:`choose_attention` prefers. A window too short for any context keeps llama.cpp's own.
-    timer: seconds (a test's clock); say: a line before measuring (default: stderr)."""
+    timer: seconds (a test's clock); say: a line before measuring (default: stderr). measure
+    False (a server, which answers at once): from the cache only; where either path's costs are
+    not cached, llama.cpp's own path, and the note says so."""
     if attention_requested() or not hasattr(backend, "use_attention") or not fitting(backend)[0]:
         return
     told = []
@@ -71,11 +73,16 @@ def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None =
             (say or _stderr)("specdecode: timing llama.cpp's attention with and without flash attention after "
                              "long contexts, once per model and machine (cached: later starts skip it)...")
 
-    measure = (lambda b: context_cost_steps(b, timer=timer)) if timer is not None else context_cost_steps
+    steps = (lambda b: context_cost_steps(b, timer=timer)) if timer is not None else context_cost_steps
     costs = {}
     for path in PATHS:
         backend.use_attention(path)
-        costs[path] = cached_context_costs(backend, folder, tell, measure)
+        costs[path] = cached_context_costs(backend, folder, tell, steps) if measure else \
+            read_cached_context_costs(backend, folder)
+    if None in costs.values():
+        backend.use_attention("auto", "llama.cpp's own: the paths are not measured on this machine yet (a first "
+                                      "`specdecode generate` or `bench` of this model measures them)")
+        return
     choice = choose_attention(costs)
     backend.use_attention(choice, f"chosen by measurement: {note(costs)}" if costs["auto"].base else "")
 
