@@ -186,3 +186,14 @@ def test_a_server_measures_context_costs_between_requests_and_caches_them(tmp_pa
     again = Calibration(t, tmp_path, timer=lambda: t.now, cpu_times=lambda: None)
     assert again.costs(CURVE.ns, 34, None).context_costs == shared.context_costs
     assert "context costs" not in again.measuring()
+
+
+def test_the_copy_limit_at_a_long_context_is_the_scripts():
+    from specdecode.bench import copy_limit
+
+    t = ClockedTarget()
+    cc = drive(context_cost_steps(t, timer=lambda: t.now))
+    assert copy_limit(CURVE) == pytest.approx(33 * t_script(1, 64) / t_script(33, 64), abs=1e-3)
+    at = copy_limit(CURVE, cc, 4096)
+    assert at == pytest.approx(33 * t_script(1, 4096) / t_script(33, 4096), abs=1e-3) and at < copy_limit(CURVE)
+    assert copy_limit(CURVE, None, 4096) == copy_limit(CURVE)  # negative control: no context costs

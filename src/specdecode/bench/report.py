@@ -247,7 +247,8 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
     if meta.get("peer"):
         print(f"peer: {meta['peer']}", file=file)
     if meta.get("copy_limit"):
-        print(f"copy limit L = 33 T(1) / T(33) = {meta['copy_limit']:.2f}x (a perfect 32-token copy)", file=file)
+        at = "".join(f", {L:.2f}x after {c} tokens" for c, L in (meta.get("copy_limit_at") or {}).items())
+        print(f"copy limit L = 33 T(1) / T(33) = {meta['copy_limit']:.2f}x (a perfect 32-token copy){at}", file=file)
     if meta.get("background_load"):
         print(f"beside a background CPU load of {meta['background_load']:.0%} of the machine", file=file)
     for cfg, per in result["summary"].items():

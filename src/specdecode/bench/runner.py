@@ -59,10 +59,13 @@ def _no_load():
     yield None
 
 
-def copy_limit(curve: CostCurve) -> float:
+def copy_limit(curve: CostCurve, context_costs=None, context: int = 0) -> float:
     """L = 33 T(1) / T(33): the speedup of a perfect 32-token copy verified in one forward
-    against one-token decoding on this machine, the ceiling of any drafter's win."""
-    return round(33 * curve(1) / curve(33), 3)
+    against one-token decoding on this machine, the ceiling of any drafter's win; with
+    context_costs, after ``context`` tokens (T(n) + extra(n, c))."""
+    if context_costs is None or not context_costs.measured:
+        return round(33 * curve(1) / curve(33), 3)
+    return round(33 * (curve(1) + context_costs(1, context)) / (curve(33) + context_costs(33, context)), 3)
 
 
 def peak_rss_mb() -> float:
@@ -310,6 +313,8 @@ def run_bench(config: BenchConfig) -> dict:
             "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite"),
             "cost_curve": curve.to_dict() if curve is not None else None,
             "copy_limit": copy_limit(curve) if curve is not None else None,
+            "copy_limit_at": {c: copy_limit(curve, variants[0].context_costs, c) for c in
+                              getattr(variants[0].context_costs, "contexts", ())} if curve is not None else {},
             "background_load": config.background_load, "skipped": skipped,
             "oracle_drafters": {d: [x.name for x in ds] for d, ds in variants[0].oracle_drafters.items()},
             "vary": _vary_meta(config, variants, vs_first)}
