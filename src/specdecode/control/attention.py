@@ -3,9 +3,8 @@
 llama.cpp's CPU flash-attention kernel (its default, "auto") walks the KV cache once per query
 row; without it a block's rows are multiplied by the cache together. So after a long context a
 forward costs less without it, and after a short one about the same or more. Measured on an AMD
-EPYC with AVX2 only (2 vCPU, default target): T(33) 778 ms with it and 960 ms without after 64
-tokens, 1,006 and 1,038 ms after 1,024 (docs/measured.md); with it, T(33) costs 743 ms more after
-4,096 tokens than after 64. Users do not know to set SPECDECODE_LLAMA_FLASH_ATTN, so where it is
+EPYC with AVX2 only (2 vCPU, default target; docs/measured.md): T(33) 828 ms with it and 893 ms
+without after 64 tokens, 1,653 and 1,192 ms after 4,096. Users do not know to set SPECDECODE_LLAMA_FLASH_ATTN, so where it is
 unset :func:`resolve_attention` measures both paths' context costs on the loaded model
 (:func:`.context_costs.context_cost_steps`: T(n) after 64 tokens and what 1,024 and 4,096 add,
 each path's cached under its own cost key, as the controller then reads them) and keeps the path

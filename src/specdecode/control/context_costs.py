@@ -3,10 +3,9 @@ than after the few dozen the cost curve is measured after, T(n, c) - T(n, c0).
 
 A verification's attention reads every cached token, so its cost grows with the context, and
 more for a block than for one token. Measured on an AMD EPYC with AVX2 only (2 vCPU, default
-target, flash attention auto): T(1) 56.0 ms after 64 tokens, 57.7 ms after 1,000; T(33) 762 ms
-and 1,025 ms (``python benchmarks/cost_curves.py --vary flash_attn=auto,off --contexts
-64,1000,4000``). A controller planning a long prompt's steps with the short context's curve
-drafts more than pays.
+target, flash attention on): T(1) 53 ms after 64 tokens, 79 ms after 4,096; T(33) 828 ms and
+1,653 ms (docs/measured.md). A controller planning a long prompt's steps with the short
+context's curve drafts more than pays.
 
 - :class:`ContextCosts`: the extra seconds at a few contexts and sizes, interpolated linearly
   in both (attention's work is linear in the context and in the block), extrapolated beyond
