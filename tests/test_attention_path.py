@@ -146,3 +146,22 @@ def test_a_server_reads_the_choice_from_the_cache_and_never_measures_at_start(un
     served = PathTarget(unset)
     resolve_attention(served, tmp_path, timer=lambda: served.now, say=lambda line: None, measure=False)
     assert served.timed == 0 and served.flash_attention == "off" and "chosen by measurement" in served.attention_note
+
+
+def test_a_seed_stays_exact_where_specdecode_chose_flash_attention_off():
+    """Without flash attention the invariant block is 1. A seeded request ("auto" batch invariance)
+    then verifies as usual where the user set the path (their choice, documented), but runs exact
+    one-token steps where specdecode chose it: the seed's promise is not broken by a choice the
+    user did not make."""
+    from conftest import OracleDrafter
+    from specdecode.sampling import SamplingParams
+
+    blocks = {}
+    for chosen in (True, False):
+        t = ScriptedBackend([bytes([i]) for i in range(16)], [3, 4, 5, 6, 7, 8, 9, 10], n_prompt=3, n_ctx=256)
+        t.attention_chosen = chosen
+        eng = SpeculativeEngine(t, OracleDrafter(t), 4, invariance=lambda target, seq: 1)
+        r = eng.generate([1, 2, 3], sampling=SamplingParams(temperature=0.7, seed=5), max_tokens=8)
+        blocks[chosen] = (r.stats.invariant_block, max(t.forward_calls[1:]))
+    assert blocks[True] == (1, 1)  # one token a forward, batch-invariantly
+    assert blocks[False][0] == 0 and blocks[False][1] > 1  # verified as usual: blocks of drafts

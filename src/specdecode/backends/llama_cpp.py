@@ -108,7 +108,7 @@ class LlamaCppBackend(BackendBase):
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1 + tree_branches)
         self._tree_branches = tree_branches
         self.n_threads = n_threads
-        self.attention_note = ""  # how the attention path was chosen (:mod:`specdecode.control.attention`)
+        self.attention_note, self.attention_chosen = "", False  # how the path was chosen (control/attention.py)
 
         self._embeddings = False  # whether the context outputs embeddings (llama_set_embeddings)
         self._n_embd = int(self._lib.llama_model_n_embd(self._model))
@@ -131,16 +131,17 @@ class LlamaCppBackend(BackendBase):
         self._n_ctx = min(n_ctx, int(self._lib.llama_n_ctx(ctx)) // n_seq)
         self._seq_lens = [0] * n_seq
 
-    def use_attention(self, mode: str, note: str = "") -> None:
+    def use_attention(self, mode: str, note: str = "", chosen: bool = False) -> None:
         """Compute attention as ``mode`` ("auto", "on", "off") from now on: a new context, every
-        sequence's cache empty (:mod:`specdecode.control.attention` chooses it at load). note: why."""
+        sequence's cache empty (:mod:`specdecode.control.attention` chooses it at load). note: why;
+        chosen: by specdecode, not asked for (a seed then stays exact: the engine's ``begin``)."""
         self._require_open()
         if mode != self._flash_attention:
             self._lib.llama_free(self._ctx)
             self._ctx, self._flash_attention = None, mode
             self._open_context()
             self._embeddings = False
-        self.attention_note = note
+        self.attention_note, self.attention_chosen = note, chosen
 
     @property
     def cost_key(self) -> str:

@@ -83,7 +83,7 @@ def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None =
                                       "`specdecode generate` or `bench` of this model measures them)")
         return
     choice = choose_attention(costs)
-    backend.use_attention(choice, f"chosen by measurement: {note(costs)}" if costs["auto"].base else "")
+    backend.use_attention(choice, f"chosen by measurement: {note(costs)}", chosen=choice != "auto")
 
 
 def _stderr(line: str) -> None:
