@@ -134,7 +134,7 @@ class LlamaCppBackend(BackendBase):
     def use_attention(self, mode: str, note: str = "", chosen: bool = False) -> None:
         """Compute attention as ``mode`` ("auto", "on", "off") from now on: a new context, every
         sequence's cache empty (:mod:`specdecode.control.attention` chooses it at load). note: why;
-        chosen: by specdecode, not asked for (a seed then stays exact: the engine's ``begin``)."""
+        chosen: by specdecode, not asked for (a seed then decodes plainly: the engine's ``begin``)."""
         self._require_open()
         if mode != self._flash_attention:
             self._lib.llama_free(self._ctx)

@@ -140,10 +140,11 @@ class SpeculativeEngine:
             block = self.forwards.invariant_block(where)
             # "auto" does not trade all speculation for it: with a block of 1 (no forward of two
             # tokens equals two one-token steps) the generation verifies as usual instead, unless
-            # specdecode itself chose that path (flash attention off by measurement): a seed's
-            # promise is not broken by a choice the user did not make.
-            gen.invariant = block >= 2 or options.batch_invariant == "on" or getattr(self.target, "attention_chosen",
-                                                                                    False)
+            # specdecode itself chose that path (flash attention off by measurement): then plain
+            # steps, so that a seed's promise is not broken by a choice the user did not make.
+            gen.invariant = block >= 2 or options.batch_invariant == "on"
+            if not gen.invariant and getattr(self.target, "attention_chosen", False):
+                gen.k, gen.drafter = 0, self._plain
             out.stats.invariant_block = block if gen.invariant else 0
         if gen.invariant:
             where.forget()  # no reuse: the prompt is prefilled as a fresh start would
