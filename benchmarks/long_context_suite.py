@@ -10,8 +10,9 @@ does not find one prompt's answer in another's history):
   (``editor_formats/aider_whole.json``, as in ``edit_whole``) with a rename in the file: the answer
   is the file again, changed wherever the name occurs; the 8k file is two modules in one;
 - ``agent_long_2k``, ``agent_long_4k``, ``agent_long_8k``: a question, the agent's ``read_file``
-  call(s) and their results in ``tool`` messages (two files at 8k), the tools presented by the chat
-  template, and the answer (quoting a function, then explaining it).
+  call(s) in one turn and their results in ``tool`` messages (two files at 8k), the tools presented
+  by the chat template, and the answer (quoting a function, then explaining it). (With the two calls
+  in two turns, the default target answered the 8k prompt with nothing: its first token ended it.)
 
 Each prompt carries the file(s) as its ``prediction``, as ``edit_whole`` and ``agent_tool_result``
 do. Prompt sizes in the default target's tokens: about 2.4k, 4.0k and 7.9k (edits), 2.1k, 4.0k
@@ -83,14 +84,12 @@ def agent_entries() -> list[dict]:
                                                   "the conversation, do not call the tool again: answer the user, "
                                                   "quoting code exactly as the tool returned it."},
                     {"role": "user", "content": question}]
-        results = []
-        for i, p in enumerate(paths, 1):
-            call = {"id": f"call_{i}", "type": "function",
-                    "function": {"name": "read_file", "arguments": json.dumps({"path": p.removeprefix("src/")})}}
-            result = read([p])
-            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": f"call_{i}", "content": result}]
-            results.append(result)
+        calls = [{"id": f"call_{i}", "type": "function",
+                  "function": {"name": "read_file", "arguments": json.dumps({"path": p.removeprefix("src/")})}}
+                 for i, p in enumerate(paths, 1)]
+        results = [read([p]) for p in paths]
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})  # the calls in one turn, as agents make them
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(calls, results)]
         out.append({"id": f"{cat}-01", "category": cat, "messages": messages, "tools": [_READ],
                     "max_tokens": MAX_TOKENS["agent_long"], "prediction": "\n".join(results)})
     return out
