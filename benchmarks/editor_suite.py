@@ -31,6 +31,7 @@ import argparse
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 FORMATS = Path(__file__).resolve().parent / "editor_formats"
 CATEGORIES = ("edit_whole", "edit_search_replace", "edit_udiff", "agent_tool_result")
@@ -140,23 +141,29 @@ def agent_entries(suite: list[dict]) -> list[dict]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out") / "bench_suite.jsonl",
                     help="where the rewritten suite goes (default: %(default)s)")
     return ap
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+def rewrite_suite(out: Path, categories: tuple[str, ...], new_entries: Callable[[list[dict]], list[dict]]) -> None:
+    """Write the package's suite to ``out`` with ``categories`` replaced by new_entries(the other
+    prompts), the others kept as written."""
     suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
     lines = [line for line in suite.splitlines() if line.strip()]
-    kept_lines = [line for line in lines if json.loads(line)["category"] not in CATEGORIES]  # kept as written
+    kept_lines = [line for line in lines if json.loads(line)["category"] not in categories]  # kept as written
     kept = [json.loads(line) for line in kept_lines]
-    new = edit_entries(kept) + agent_entries(kept)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(line + "\n" for line in kept_lines + [json.dumps(r) for r in new]))
-    print(f"{args.out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(CATEGORIES)}")
+    new = new_entries(kept)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(line + "\n" for line in kept_lines + [json.dumps(r) for r in new]))
+    print(f"{out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(categories)}")
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    rewrite_suite(args.out, CATEGORIES, lambda kept: edit_entries(kept) + agent_entries(kept))
 
 
 if __name__ == "__main__":

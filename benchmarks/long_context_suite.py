@@ -27,10 +27,10 @@ over ``src/specdecode/data/bench_suite.jsonl``.
 
 from __future__ import annotations
 
-import argparse
 import json
-from importlib import resources
 from pathlib import Path
+
+from editor_suite import _READ, build_parser, rewrite_suite  # a sibling script: benchmarks/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = Path(__file__).resolve().parent / "editor_formats"
@@ -47,9 +47,6 @@ EDITS = {
                       "Rename the function expected_tokens to expected_committed everywhere in the file (also "
                       "where it is named in docstrings)."),
 }
-_READ = {"type": "function", "function": {
-    "name": "read_file", "description": "Read a file of the repository.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
 # category -> (question, files read, one read_file call each)
 AGENT = {
     "agent_long_2k": ("What does NgramDrafter.propose do when there is no match? Show me the whole method, then "
@@ -95,21 +92,9 @@ def agent_entries() -> list[dict]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench-out") / "bench_suite.jsonl",
-                    help="where the rewritten suite goes (default: %(default)s)")
-    return ap
-
-
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
-    kept = [line for line in suite.splitlines() if line.strip() and json.loads(line)["category"] not in CATEGORIES]
-    new = edit_entries() + agent_entries()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(line + "\n" for line in kept + [json.dumps(r) for r in new]))
-    print(f"{args.out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(CATEGORIES)}")
+    args = build_parser(__doc__).parse_args(argv)
+    rewrite_suite(args.out, CATEGORIES, lambda kept: edit_entries() + agent_entries())
 
 
 if __name__ == "__main__":
