@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from importlib import resources
 from pathlib import Path
-from typing import Callable
+
+from specdecode.bench.suite import rewrite_parser, rewrite_suite
 
 FORMATS = Path(__file__).resolve().parent / "editor_formats"
 CATEGORIES = ("edit_whole", "edit_search_replace", "edit_udiff", "agent_tool_result")
@@ -141,24 +141,8 @@ def agent_entries(suite: list[dict]) -> list[dict]:
     return out
 
 
-def build_parser(doc: str = __doc__) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench-out") / "bench_suite.jsonl",
-                    help="where the rewritten suite goes (default: %(default)s)")
-    return ap
-
-
-def rewrite_suite(out: Path, categories: tuple[str, ...], new_entries: Callable[[list[dict]], list[dict]]) -> None:
-    """Write the package's suite to ``out`` with ``categories`` replaced by new_entries(the other
-    prompts), the others kept as written."""
-    suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
-    lines = [line for line in suite.splitlines() if line.strip()]
-    kept_lines = [line for line in lines if json.loads(line)["category"] not in categories]  # kept as written
-    kept = [json.loads(line) for line in kept_lines]
-    new = new_entries(kept)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(line + "\n" for line in kept_lines + [json.dumps(r) for r in new]))
-    print(f"{out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(categories)}")
+def build_parser() -> argparse.ArgumentParser:
+    return rewrite_parser(__doc__.split("\n\n")[0])
 
 
 def main(argv=None) -> None:

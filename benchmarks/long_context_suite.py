@@ -27,39 +27,41 @@ over ``src/specdecode/data/bench_suite.jsonl``.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from editor_suite import _READ, build_parser, rewrite_suite  # a sibling script: benchmarks/ is on sys.path
+import specdecode
+from specdecode.bench.suite import rewrite_parser, rewrite_suite
 
-ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(specdecode.__file__).resolve().parent.parent  # where "specdecode/..." paths are read
 FORMATS = Path(__file__).resolve().parent / "editor_formats"
 CATEGORIES = ("edit_large_2k", "edit_large_4k", "edit_large_8k", "agent_long_2k", "agent_long_4k", "agent_long_8k")
 MAX_TOKENS = {"edit_large": 448, "agent_long": 256}
 
 # category -> (files joined into the one edited, the name it has, the request)
 EDITS = {
-    "edit_large_2k": (["src/specdecode/textstream.py"], "textstream.py",
+    "edit_large_2k": (["specdecode/textstream.py"], "textstream.py",
                       "Rename the class StopMatcher to StopSequenceMatcher everywhere in the file."),
-    "edit_large_4k": (["src/specdecode/verify.py"], "verify.py",
+    "edit_large_4k": (["specdecode/verify.py"], "verify.py",
                       "Rename the function committed_tokens to accepted_and_bonus_tokens everywhere in the file."),
-    "edit_large_8k": (["src/specdecode/control/costmodel.py", "src/specdecode/control/costcache.py"], "costs.py",
+    "edit_large_8k": (["specdecode/control/costmodel.py", "specdecode/control/costcache.py"], "costs.py",
                       "Rename the function expected_tokens to expected_committed everywhere in the file (also "
                       "where it is named in docstrings)."),
 }
 # category -> (question, files read, one read_file call each)
 AGENT = {
     "agent_long_2k": ("What does NgramDrafter.propose do when there is no match? Show me the whole method, then "
-                      "explain it.", ["src/specdecode/drafters/ngram.py"]),
+                      "explain it.", ["specdecode/drafters/ngram.py"]),
     "agent_long_4k": ("How does OutputAccumulator decide how many tokens remain? Show me the whole method, then "
-                      "explain it.", ["src/specdecode/output.py"]),
+                      "explain it.", ["specdecode/output.py"]),
     "agent_long_8k": ("When does the worker stop, and how does Sampler.draw pick a token? Show me both methods "
-                      "whole, then explain them.", ["src/specdecode/server/worker.py", "src/specdecode/sampling.py"]),
+                      "whole, then explain them.", ["specdecode/server/worker.py", "specdecode/sampling.py"]),
 }
 
 
 def read(paths: list[str]) -> str:
-    return "\n\n".join((ROOT / p).read_text(encoding="utf-8").rstrip("\n") for p in paths) + "\n"
+    return "\n\n".join((PACKAGE_ROOT / p).read_text(encoding="utf-8").rstrip("\n") for p in paths) + "\n"
 
 
 def edit_entries() -> list[dict]:
@@ -82,7 +84,7 @@ def agent_entries() -> list[dict]:
                                                   "quoting code exactly as the tool returned it."},
                     {"role": "user", "content": question}]
         calls = [{"id": f"call_{i}", "type": "function",
-                  "function": {"name": "read_file", "arguments": json.dumps({"path": p.removeprefix("src/")})}}
+                  "function": {"name": "read_file", "arguments": json.dumps({"path": p})}}
                  for i, p in enumerate(paths, 1)]
         results = [read([p]) for p in paths]
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})  # the calls in one turn, as agents make them
@@ -92,8 +94,17 @@ def agent_entries() -> list[dict]:
     return out
 
 
+_READ = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return rewrite_parser(__doc__.split("\n\n")[0])
+
+
 def main(argv=None) -> None:
-    args = build_parser(__doc__).parse_args(argv)
+    args = build_parser().parse_args(argv)
     rewrite_suite(args.out, CATEGORIES, lambda kept: edit_entries() + agent_entries())
 
 

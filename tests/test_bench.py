@@ -110,7 +110,8 @@ def test_the_repeat_category_chains_requests():
     """"repeat" (after the free-text categories) opens each chain with a novel request, later
     ones asking for (nearly) the same output again in a new prompt; the first three are one chain."""
     assert CATEGORIES == ("code_editing", "extraction", "qa_passages", "translation", "math", "chat", "multi_turn",
-                          "repeat", "json_schema", "predicted_edits", "agent") + EDITOR_CATEGORIES + ("fim",)
+                          "repeat", "json_schema", "predicted_edits", "agent") + EDITOR_CATEGORIES + ("fim",) \
+        + LONG_CONTEXT_CATEGORIES
     rep = [p for p in load_prompts(None) if p.category == "repeat"]
     assert [p.id for p in rep] == [f"repeat-{i:02d}" for i in range(1, 9)]
     assert all(p.messages and 100 <= p.max_tokens <= 200 for p in rep)
@@ -239,7 +240,7 @@ def test_select_prompts_by_category_and_count():
     for cat in ("chat", "math"):  # the first two of each, in file order
         assert [p for p in some if p.category == cat] == [p for p in prompts if p.category == cat][:2]
     assert some == [p for p in prompts if p in some]
-    assert select_prompts(prompts) == prompts
+    assert select_prompts(prompts) == [p for p in prompts if p.category not in LONG_CONTEXT_CATEGORIES]
     with pytest.raises(SpecDecodeError, match="no prompts left"):
         select_prompts(prompts, ["no-such-category"])
 

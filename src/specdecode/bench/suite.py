@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..backends.fim import check_extra
 from ..drafters.kinds import names_with_arg
@@ -133,6 +134,29 @@ def _fim_fields(obj: dict, has_prefix: bool, where: str) -> tuple[str | None, tu
         return suffix, check_extra(obj.get("extra"))
     except SpecDecodeError as e:
         raise SpecDecodeError(f"{where}: {e}") from None
+
+
+def rewrite_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of a script that writes suite categories: ``--out``, where the suite goes."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=Path("bench-out") / "bench_suite.jsonl",
+                    help="where the rewritten suite goes (default: %(default)s)")
+    return ap
+
+
+def rewrite_suite(out: str | Path, categories: Sequence[str], new_entries: Callable[[list[dict]], list[dict]]) -> None:
+    """Write the built-in suite to ``out`` (never into the package) with the prompts of
+    ``categories`` replaced by new_entries(the other prompts' entries), those kept as written and
+    the new ones after them: what the benchmarks/ scripts that write the suite's categories do."""
+    suite = resources.files("specdecode").joinpath("data/bench_suite.jsonl").read_text(encoding="utf-8")
+    lines = [line for line in suite.splitlines() if line.strip()]
+    kept_lines = [line for line in lines if json.loads(line)["category"] not in categories]
+    kept = [json.loads(line) for line in kept_lines]
+    new = new_entries(kept)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(line + "\n" for line in kept_lines + [json.dumps(r) for r in new]))
+    print(f"{out}: {len(kept)} prompts kept, {len(new)} written in {', '.join(categories)}")
 
 
 def select_prompts(prompts: Sequence[BenchPrompt], categories: Iterable[str] | None = None,
