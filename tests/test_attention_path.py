@@ -56,11 +56,11 @@ class PathTarget(ScriptedBackend):
 
     cost_key = property(lambda self: f"flash_attn={self.flash_attention}")
 
-    def use_attention(self, mode: str, note: str = "") -> None:
+    def use_attention(self, mode: str, note: str = "", chosen: bool = False) -> None:
         if mode != self.flash_attention:
             self.switches.append(mode)
             self.caches = [[] for _ in self.caches]
-        self.flash_attention, self.attention_note = mode, note
+        self.flash_attention, self.attention_note, self.attention_chosen = mode, note, chosen
 
     def _forward(self, seq, token_ids, logits_for):
         dear = (self.flash_attention == "auto") != self.flash_cheaper
@@ -84,7 +84,7 @@ def resolve(b, folder) -> None:
 def test_an_unset_variable_measures_both_paths_once_and_keeps_the_cheaper(unset, tmp_path):
     b = PathTarget(unset)
     resolve(b, tmp_path)
-    assert b.flash_attention == "off" and b.switches == ["off"]
+    assert b.flash_attention == "off" and b.switches == ["off"] and b.attention_chosen
     assert "chosen by measurement" in b.attention_note and "without it" in b.attention_note
     assert b.timed > 40
     # Each path's context costs are cached under its own key: the controller reads the chosen one's.
@@ -99,7 +99,7 @@ def test_an_unset_variable_measures_both_paths_once_and_keeps_the_cheaper(unset,
 def test_a_machine_where_flash_attention_is_cheaper_keeps_it(unset, tmp_path):
     b = PathTarget(unset, flash_cheaper=True)
     resolve(b, tmp_path)
-    assert b.flash_attention == "auto" and b.switches == ["off", "auto"]
+    assert b.flash_attention == "auto" and b.switches == ["off", "auto"] and not b.attention_chosen
 
 
 def test_the_variable_overrides_and_nothing_is_timed(unset, tmp_path, monkeypatch):

@@ -235,11 +235,15 @@ def read_cached_context_costs(backend: Backend, cache_dir: Path, max_age_s: floa
 def cached_context_costs_steps(backend: Backend, cache_dir: Path, on_measure: Callable[[], None] | None = None,
                                measure: Callable[..., Generator[None, "bool | None", ContextCosts]] = context_cost_steps,
                                ) -> Generator[None, "bool | None", ContextCosts]:
-    """:func:`cached_context_costs` made of steps (:func:`.measure.drive`)."""
+    """:func:`cached_context_costs` made of steps (:func:`.measure.drive`). A window too short
+    for any context measures nothing and keeps nothing."""
+    contexts, ns = fitting(backend)
+    if not contexts:
+        return ContextCosts(BASE_CONTEXT, (), tuple(ns or [1]), ())
     cached = read_cached_context_costs(backend, cache_dir)
     if cached is not None:
         return cached
-    if on_measure is not None and fitting(backend)[0]:
+    if on_measure is not None:
         on_measure()
     cc = yield from measure(backend)
     write_cache_json(context_cache_path(backend, cache_dir), {**cc.to_dict(), "model": backend.name,
