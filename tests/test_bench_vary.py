@@ -97,7 +97,8 @@ def test_vary_parses_one_setting_and_its_values():
     assert (v.setting.name, v.setting.kind, v.values) == ("flash_attn", "load", ("auto", "off"))
     assert v.label("off") == "flash_attn=off"
     assert parse_vary("strict=off,on").setting.field == "batch_invariant"
-    assert set(SETTINGS) == {"flash_attn", "buffers", "strict", "sampling_rule"}
+    assert set(SETTINGS) == {"flash_attn", "buffers", "strict", "sampling_rule", "draft_vocab"}
+    assert parse_vary("draft_vocab=slem,tli").setting.kind == "drafter"
     for bad, msg in (("threads=1,2", "SETTING one of flash_attn, buffers"), ("flash_attn", "expected SETTING=V1,V2"),
                      ("flash_attn=off", "two or more different values"), ("strict=on,on", "two or more different"),
                      ("buffers=repack,fast", "'fast' is not a value of buffers: expected auto, amx, repack, none")):
@@ -189,6 +190,30 @@ def test_a_generation_setting_shares_the_target_and_gives_each_run_its_value(scr
     assert len(drafters["off"]) == len(drafters["on"]) == 1 and not drafters["off"] & drafters["on"]
     assert all(r["same_as_plain"] and r["parity"] == "exact" for r in res["rows"])
     assert res["meta"]["vary"]["loaded"] == {} and res["meta"]["vary"]["plain_vs_first"] == {"on": {"exact": 4}}
+
+
+def test_a_drafter_setting_shares_the_target_and_builds_each_values_drafters_with_it(scripted_bench, monkeypatch):
+    prompts, log = scripted_bench
+    built = []
+    make = runner.make_speculation
+
+    def recording(choice, target, **kw):
+        built.append(kw["draft_vocab"])
+        return make(choice, target, **{**kw, "draft_vocab": 0})
+
+    monkeypatch.setattr(runner, "make_speculation", recording)
+    config = BenchConfig(target="scripted", prompts=prompts, configs=("ngram:3",), vary="draft_vocab=slem,tli",
+                         progress=False)
+    run_bench(config)
+    assert FakeDecoder.loads == ["auto"] and built == [0, 0]  # prompt lookup has no vocabulary to draft in
+    built.clear()
+    FakeDecoder.loads = []
+    monkeypatch.setattr(runner, "uses_option", lambda draft, name: True)  # as a draft model does
+    monkeypatch.setattr(runner, "check_draft_options", lambda *a, **k: None)
+    res = run_bench(config)
+    assert FakeDecoder.loads == ["auto"] and built == ["slem", "tli"]  # one target, each value's own drafters
+    assert {r["vary"] for r in res["rows"]} == {"draft_vocab=slem", "draft_vocab=tli"}
+    assert all(r["parity"] == "exact" for r in res["rows"])
 
 
 def test_vary_flash_attention_loads_smollm2_once_per_value(smollm_path, tmp_path):

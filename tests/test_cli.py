@@ -77,6 +77,8 @@ def test_generate_streams_text_and_prints_stats(smollm_path):
         (["--draft-vocab", "-5"], ["--draft-vocab", "-5 is out of range"]),
         (["--draft-vocab", "100"], ["draft_vocab = 100 applies to a draft model; draft 'none'"]),
         (["--draft", SMOL, "--draft-vocab", "100"], ["--draft-backend torch", "LlamaCppBackend"]),
+        (["--draft-vocab", "lem"], ["--draft-vocab", "expected an integer >= 0, got 'lem', or one of slem, tli"]),
+        (["--draft-vocab", "tli"], ["draft_vocab = 'tli' applies to a draft model; draft 'none'"]),
     ],
 )
 def test_out_of_range_options(args, needles):

@@ -134,6 +134,21 @@ def check_parallel(value: object, name: str = "parallel") -> int:
     return value
 
 
+# How a draft model with another tokenizer than the target's drafts (--draft-vocab): string-level
+# exact match or token-level intersection (specdecode.drafters.cross_vocab).
+DRAFT_VOCAB_METHODS = ("slem", "tli")
+
+
+def check_draft_vocab(value: object, name: str = "draft_vocab") -> int | str:
+    """How a draft model's vocabulary is used: an integer N >= 0 (a torch draft model of the
+    target's tokenizer scores only ids < N; 0 = all), or "slem" / "tli" (a draft model of
+    another tokenizer drafts by that method). Raises SpecDecodeError (param ``name``)."""
+    if value in DRAFT_VOCAB_METHODS or is_int(value) and value >= 0:
+        return value  # type: ignore[return-value]
+    raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer >= 0 (0 = all) or one of "
+                          f"{', '.join(DRAFT_VOCAB_METHODS)}", param=name)
+
+
 def check_tree_width(value: object, name: str = "tree_width") -> int:
     """Candidates per node of a tree of drafts (the top W of each head or of the draft
     model's distribution), an integer 1..MAX_TREE_WIDTH. Raises SpecDecodeError (param ``name``)."""

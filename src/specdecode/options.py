@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
-from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_SAMPLING_RULE, DEVICES, DTYPES,
+from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_SAMPLING_RULE, DEVICES, DRAFT_VOCAB_METHODS, DTYPES,
                      SAMPLING_RULES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MAX_THREADS, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
                      check_tree_width, check_max_tree_nodes, DEFAULT_TREE_NODES, DEFAULT_TREE_WIDTH, MAX_TREE_NODES)
@@ -60,6 +60,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def draft_vocab_value(text: str) -> int | str:
+    """argparse type of --draft-vocab: an integer >= 0, or slem / tli."""
+    if text in DRAFT_VOCAB_METHODS:
+        return text
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or one of {', '.join(DRAFT_VOCAB_METHODS)}") from None
+
+
 def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     """--target, --backend, --dtype, --device, --ctx-size, --threads, --draft-backend,
     --draft-vocab and, with ``draft``, --draft and --num-speculative-tokens/-k."""
@@ -76,10 +86,12 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--draft-backend", choices=BACKENDS, default="auto", help="draft model backend, as --backend")
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="torch backend weights (default: %(default)s)")
     p.add_argument("--device", choices=DEVICES, default=DEFAULT_DEVICE, help="torch backend device (default: %(default)s)")
-    p.add_argument("--draft-vocab", type=non_negative_int, default=0, metavar="N",
-                   help="a draft model on the torch backend (--draft-backend torch) scores only token ids "
+    p.add_argument("--draft-vocab", type=draft_vocab_value, default=0, metavar="N|slem|tli",
+                   help="N: a draft model on the torch backend (--draft-backend torch) scores only token ids "
                         "< N, the prompt's tokens and end-of-generation ids (FR-Spec; cheaper drafts, same "
-                        "output; default: 0 = all)")
+                        "output; default: 0 = all). slem or tli: how a draft model with another tokenizer than "
+                        "the target's drafts (string-level exact match or token-level intersection; by default "
+                        "SLEM for greedy generations, TLI for sampled ones)")
     if draft:
         add_tree_options(p)
     p.add_argument("--ctx-size", type=int, default=None, metavar="N",

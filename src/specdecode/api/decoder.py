@@ -19,7 +19,7 @@ from ..control.calibration import Calibration
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
 from ..errors import SpecDecodeError
-from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, \
+from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, check_draft_vocab, \
     check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
 from ..assembly.loading import load_target, make_speculation
@@ -53,8 +53,11 @@ class Decoder:
     n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
-    draft_vocab: a torch draft model computes logits only for ids below this, the prompt's
-        tokens and end-of-generation ids (0 = all; see ModelDrafter's vocab_subset).
+    draft_vocab: an integer: a torch draft model computes logits only for ids below this, the
+        prompt's tokens and end-of-generation ids (0 = all; see ModelDrafter's vocab_subset);
+        "slem" or "tli": how a draft model with another tokenizer than the target's drafts
+        (:mod:`specdecode.drafters.cross_vocab`; by default, with another tokenizer, SLEM for
+        greedy generations and TLI for sampled ones).
     parallel: slots for concurrent generations (continuous batching, llama.cpp backend):
         :meth:`begin` / :meth:`step` / :meth:`end` run several at once in shared forwards;
         :meth:`stream` runs one (1..MAX_PARALLEL; the torch backend serves 1).
@@ -103,7 +106,7 @@ class Decoder:
         draft_backend: str = "auto",
         dtype: str = DEFAULT_DTYPE,
         device: str = DEFAULT_DEVICE,
-        draft_vocab: int = 0,
+        draft_vocab: int | str = 0,
         parallel: int = 1,
         max_tree_nodes: int | None = None,
         tree_width: int = DEFAULT_TREE_WIDTH,
@@ -114,9 +117,7 @@ class Decoder:
         self.target_name = target.name if isinstance(target, Backend) else target
         self.draft_name = draft.name if isinstance(draft, Backend) else draft
         choice = resolve(draft, num_speculative_tokens)
-        if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 0:
-            raise SpecDecodeError(f"draft_vocab = {draft_vocab!r} is out of range: expected an integer >= 0 (0 = all)",
-                                  param="draft_vocab")
+        draft_vocab = check_draft_vocab(draft_vocab)
         parallel = check_parallel(parallel)
         check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
         check_tree_width(tree_width)  # before anything loads

@@ -119,7 +119,7 @@ def _known(backend: Backend) -> Backend:
 
 def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int | None = None, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
-                 device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_seq: int = 1) -> Drafter:
+                 device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0, n_seq: int = 1) -> Drafter:
     """The drafter that ``draft`` names (a row of :data:`specdecode.drafters.kinds.KINDS`:
     'none', 'ngram', 'suffix', 'heads:FILE', or a draft model: registry name, .gguf path or
     HF folder on any backend, or a loaded Backend, checked against the target's vocabulary). draft_vocab: see
@@ -134,7 +134,7 @@ def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int | None = No
                                       dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
 
 
-def _build(draft: "str | Backend", target: Backend, load_opts: dict, draft_vocab: int) -> Drafter:
+def _build(draft: "str | Backend", target: Backend, load_opts: dict, draft_vocab: int | str) -> Drafter:
     """The drafter of ``draft``'s kind; load_opts: :func:`load_backend`'s keywords for a draft model
     (n_ctx None: the target's context, so that drafts reach as far as the target does)."""
     def load(name: "str | Backend") -> Backend:
@@ -168,7 +168,7 @@ def is_default_draft(target: Backend) -> bool:
 
 def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KMAX, n_ctx: int | None = None,
                     n_threads: int | None = None, progress: bool = True, backend: str = "auto",
-                    dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int = 0,
+                    dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0,
                     n_seq: int = 1) -> Drafter:
     """The cost-aware controller over the drafters that ``draft`` names, with K <= kmax.
 
@@ -185,7 +185,7 @@ def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KM
 
 def make_speculation(choice: Choice, target: Backend, n_ctx: int | None = None, n_threads: int | None = None,
                      progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
-                     device: str = DEFAULT_DEVICE, draft_vocab: int = 0, n_slots: int = 1,
+                     device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0, n_slots: int = 1,
                      max_tree_nodes: int | None = None, tree_width: int = DEFAULT_TREE_WIDTH,
                      calibration: Calibration | None = None) -> SpeculativeEngine:
     """The one recipe of speculation, for the Decoder, the bench and so the server alike: the
@@ -225,7 +225,7 @@ def make_speculation(choice: Choice, target: Backend, n_ctx: int | None = None, 
         raise
 
 
-def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: int,
+def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: int | str,
                 calibration: Calibration | None = None) -> Drafter:
     """The controller over a planned choice's drafters (none: plain), K <= choice.k; its target
     curve from the cache or measured now, or with a calibration, measured later."""

@@ -67,7 +67,7 @@ class BenchConfig:
     draft_backend: str = "auto"
     dtype: str = DEFAULT_DTYPE
     device: str = DEFAULT_DEVICE
-    draft_vocab: int = 0
+    draft_vocab: int | str = 0
     peer: bool = True
     progress: bool = True
     background_load: float | None = None

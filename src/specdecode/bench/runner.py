@@ -34,7 +34,7 @@ from ..backends.base import Backend
 from ..control.costmodel import CostCurve
 from ..control.context_costs import cached_context_costs
 from ..control.costcache import cached_forward_curve
-from ..drafters.kinds import check_draft_options, resolve
+from ..drafters.kinds import check_draft_options, resolve, uses_option
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
@@ -81,15 +81,20 @@ def open_decoder(config: BenchConfig) -> Decoder:
                    dtype=config.dtype, device=config.device, max_tree_nodes=config.max_tree_nodes or None)
 
 
-def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, SpeculativeEngine]) -> None:
+def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, SpeculativeEngine],
+                   draft_vocab: int | str | None = None) -> None:
     """Add one engine per configuration to ``engines`` (filled in place, so that a failure
-    part way still leaves the drafters loaded so far to be closed)."""
+    part way still leaves the drafters loaded so far to be closed). draft_vocab: a varied
+    drafter setting's value (None: the config's)."""
     opts = dict(n_ctx=config.n_ctx, n_threads=config.n_threads, progress=config.progress,
-                backend=config.draft_backend, dtype=config.dtype, device=config.device, draft_vocab=config.draft_vocab)
+                backend=config.draft_backend, dtype=config.dtype, device=config.device)
     for draft, k in config.parsed_configs():
         if f"{draft}:{k}" in engines:  # "ngram" and "ngram:auto" name the same configuration
             continue
-        check_draft_options(draft, draft_vocab=config.draft_vocab, draft_backend=config.draft_backend)
+        # a varied draft_vocab reaches the drafters that use it; the others draft as usual
+        opts["draft_vocab"] = draft_vocab if draft_vocab is not None and uses_option(draft, "draft_vocab") \
+            else config.draft_vocab
+        check_draft_options(draft, draft_vocab=opts["draft_vocab"], draft_backend=config.draft_backend)
         choice = resolve(draft, k)
         # With trees, CONFIG+trees gets drafters of its own: a lookup in earlier requests (suffix)
         # must not find the answer that CONFIG's run of the same prompt just gave.
@@ -115,7 +120,7 @@ def _open_variants(config: BenchConfig, variants: list[Variant]) -> None:
                     v.note = check_loaded(setting, value, v.dec.target)
             else:
                 v.dec, v.shares_target = variants[0].dec, True
-            _build_engines(config, v.dec.target, v.engines)
+            _build_engines(config, v.dec.target, v.engines, value if setting and setting.kind == "drafter" else None)
 
 
 def _add_oracle(runs: list[tuple[list[int], list[int], list[dict], list[int] | None]], drafts: dict[str, str],

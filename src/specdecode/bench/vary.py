@@ -17,6 +17,9 @@ kinds:
 - ``generation``: an option of every generation (plain runs included) on one loaded target:
   ``strict`` (``batch_invariant``: auto, on, off; ``serve --strict`` is "on") and
   ``sampling_rule`` (auto, gumbel, rejection: needs a temperature above 0, where the rules differ).
+- ``drafter``: how the configurations' drafters are built, on one loaded target: ``draft_vocab``
+  (slem, tli: the method of a draft model of another tokenizer; a draft model of the target's
+  tokenizer and the lookups draft as usual at every value).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Iterator
 from ..backends.llama_buffers import BUFFER_CHOICES, BUFFERS_ENV, LEGACY_REPACK_ENV
 from ..backends.llama_lib import FLASH_ATTENTION_ENV, FLASH_ATTENTION_MODES
 from ..errors import SpecDecodeError
-from ..limits import BATCH_INVARIANCE, SAMPLING_RULES
+from ..limits import BATCH_INVARIANCE, DRAFT_VOCAB_METHODS, SAMPLING_RULES
 from ..sampling import SamplingParams
 
 AUTO = "auto"  # a load setting's value that leaves the variable unset: the backend decides
@@ -40,12 +43,13 @@ AUTO = "auto"  # a load setting's value that leaves the variable unset: the back
 class Setting:
     """A setting ``--vary`` knows.
 
-    name: as ``--vary`` spells it. kind: "load" or "generation" (module docstring).
+    name: as ``--vary`` spells it. kind: "load", "generation" or "drafter" (module docstring).
     choices: the values it takes. env: (load) the environment variable set while a value's
     models load; clears: (load) variables unset meanwhile (an older spelling of the same choice,
     which would otherwise disagree with it); reports: (load) the loaded backend's attribute that
     says what it got. field: (generation) the :class:`specdecode.request.GenerationOptions`
-    field, or ``sampling_rule`` of :class:`specdecode.SamplingParams`.
+    field, or ``sampling_rule`` of :class:`specdecode.SamplingParams`; (drafter) the drafter
+    option the value sets.
     """
 
     name: str
@@ -63,6 +67,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             reports="buffers"),
     Setting("strict", "generation", BATCH_INVARIANCE, field="batch_invariant"),
     Setting("sampling_rule", "generation", SAMPLING_RULES, field="sampling_rule"),
+    Setting("draft_vocab", "drafter", DRAFT_VOCAB_METHODS, field="draft_vocab"),
 )}
 
 

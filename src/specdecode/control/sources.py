@@ -196,7 +196,11 @@ class Source:
 
     @property
     def label(self) -> str:
-        """How explanations name this drafter: "ngram", or "draft model <name>"."""
+        """How explanations name this drafter: "ngram", "draft model <name>", or the drafter's
+        own ``label`` where it has one (a draft model across tokenizers says its method)."""
+        own = getattr(self.drafter, "label", None)
+        if isinstance(own, str):
+            return own
         models = self.drafter.draft_backends()
         return f"draft model {models[0].name}" if models else self.drafter.name
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from ..errors import SpecDecodeError
-from ..limits import AUTO_KMAX, check_num_speculative_tokens
+from ..errors import IncompatibleVocabularyError, SpecDecodeError
+from ..limits import AUTO_KMAX, DRAFT_VOCAB_METHODS, check_num_speculative_tokens
 from .base import Drafter, DraftingRequest, NoDrafter
+from .cross_vocab import CrossVocabDrafter
 from .heads import load_heads_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
@@ -53,13 +54,14 @@ class DraftRequest:
     :class:`specdecode.backends.module.ModuleBackend`). load_model(name): loads a draft model
     on the draft backend with the decoder's context, threads, dtype, device and sequences
     (a Backend given as arg is returned as it is).
-    draft_vocab: a torch draft model's output subset (0 = all).
+    draft_vocab: a torch draft model's output subset (0 = all), or how a draft model of another
+    tokenizer drafts ("slem", "tli"; :mod:`specdecode.drafters.cross_vocab`).
     """
 
     target: "Backend"
     arg: "str | Backend"
     load_model: Callable[["str | Backend"], "Backend"]
-    draft_vocab: int = 0
+    draft_vocab: int | str = 0
 
 
 @dataclass(frozen=True)
@@ -93,15 +95,27 @@ class DrafterKind:
 
 
 def _model(req: DraftRequest) -> Drafter:
+    """A draft model: of the target's tokenizer, a :class:`ModelDrafter`; of another, a
+    :class:`CrossVocabDrafter` by the method ``draft_vocab`` names ("slem", "tli"; else chosen
+    per generation). An integer draft_vocab above 0, an output subset, needs the target's
+    tokenizer."""
     backend = req.load_model(req.arg)
+    method = req.draft_vocab if req.draft_vocab in DRAFT_VOCAB_METHODS else "auto"
     try:
-        return ModelDrafter(backend, target=req.target, vocab_subset=req.draft_vocab)
+        try:
+            return ModelDrafter(backend, target=req.target, vocab_subset=0 if method != "auto" else int(req.draft_vocab))
+        except IncompatibleVocabularyError:
+            if req.draft_vocab not in (0, *DRAFT_VOCAB_METHODS) or not (
+                    getattr(backend, "has_text", True) and getattr(req.target, "has_text", True)):
+                raise
+            return CrossVocabDrafter(backend, req.target, method=str(method))
     except SpecDecodeError:
         backend.close()
         raise
 
 
-MODEL = DrafterKind("model", "NAME|PATH", "a draft model: registry name, .gguf path or Hugging Face folder",
+MODEL = DrafterKind("model", "NAME|PATH", "a draft model: registry name, .gguf path or Hugging Face folder (of "
+                    "another tokenizer too: --draft-vocab)",
                     _model, options=frozenset({"draft_backend", "draft_vocab"}), cost_s=None)
 
 KINDS: tuple[DrafterKind, ...] = (
@@ -149,14 +163,19 @@ def check_draft_options(draft: str, parallel: int = 1, **given: object) -> None:
     that serves one generation. given: option name -> value, where a value that is falsy or
     "auto" means not given. "auto" uses what its default draft model uses.
     Raises SpecDecodeError naming the option and the drafter."""
-    used = MODEL.options if draft == AUTO else kind_of(draft)[0].options
     for name, value in given.items():
-        if value and value != AUTO and name not in used:
+        if value and value != AUTO and not uses_option(draft, name):
             raise SpecDecodeError(f"{name} = {value!r} applies to a draft model; draft {draft!r} has none",
                                   param=name)
     if draft != AUTO and parallel > 1 and not kind_of(draft)[0].parallel:
         raise SpecDecodeError(f"draft {draft!r} serves one generation at a time: parallel = {parallel} needs "
                               f"another drafter", param="parallel")
+
+
+def uses_option(draft: str, name: str) -> bool:
+    """Whether the drafter ``draft`` names ("auto": its default draft model) uses the draft
+    option ``name`` ("draft_vocab", "draft_backend")."""
+    return name in (MODEL.options if draft == AUTO else kind_of(draft)[0].options)
 
 
 def draft_help(default_draft: str) -> str:
