@@ -526,3 +526,22 @@ def test_trees_run_beside_chains_as_config_plus_trees(smollm_path, tmp_path):
     assert chain["tree_steps"] == 0 and tree["config"] == "ngram:3+trees"
     assert chain["parity"] != "divergent" and tree["parity"] != "divergent"
     assert "mean_accepted_length" in res["summary"]["ngram:3+trees"]["overall"]
+
+
+def test_time_to_the_whole_answer_compares_answers_of_one_length():
+    """Where a near-tie made the plain answer end sooner (135 tokens against 256), its time is
+    scaled to the speculative answer's length: a longer answer is not a slower one."""
+    def row(n, n_plain, plain_s, spec_s):
+        return {"category": "agent", "config": "auto:auto", "spec_tokens_per_s": 20.0, "plain_tokens_per_s": 11.5,
+                "drafted": 0, "accepted": 0, "completion_tokens": n, "plain_completion_tokens": n_plain,
+                "target_forward_passes": 1, "accepted_per_position": [], "drafted_per_position": [],
+                "parity": "near-tie", "oracle_time_s": None, "oracle_plain_time_s": None,
+                "decode_s": spec_s, "plain_decode_s": plain_s}
+
+    s = summarize([row(256, 135, 11.7, 13.4)], ["auto:auto"])["auto:auto"]["agent"]
+    assert s["time_speedup"] == pytest.approx(11.7 * 256 / 135 / 13.4, abs=1e-3)  # 1.66x, not 0.87x
+    same = summarize([row(100, 100, 10.0, 5.0), row(50, 50, 4.0, 4.0)], ["auto:auto"])["auto:auto"]["agent"]
+    assert same["time_speedup"] == pytest.approx(14 / 9, abs=1e-3) and same["lowest_time_speedup"] == 1.0
+    old = row(256, 135, 11.7, 13.4)
+    del old["plain_completion_tokens"]  # results of older versions: as they were
+    assert summarize([old], ["auto:auto"])["auto:auto"]["agent"]["time_speedup"] == pytest.approx(11.7 / 13.4, abs=1e-3)

@@ -41,12 +41,24 @@ def _oracle(rs: list[dict], speedup: float | None) -> dict:
     return {"oracle_speedup": round(oracle, 3), "oracle_fraction": round(speedup / oracle, 3) if speedup else None}
 
 
+def plain_time_for(r: dict) -> float | None:
+    """A row's plain time to the whole answer, for an answer as long as the speculative one: where
+    the two differ in length (a near-tie sent greedy decoding another way, and one answer ended
+    sooner), the plain seconds scaled by the ratio of their tokens, so that a longer answer is not
+    counted as a slower one (rows of older versions, without the plain answer's length: as they are)."""
+    plain_s, n, n_plain = r.get("plain_decode_s"), r.get("completion_tokens"), r.get("plain_completion_tokens")
+    if not plain_s or not n or not n_plain or n == n_plain:
+        return plain_s
+    return plain_s * n / n_plain
+
+
 def _times(rs: list[dict]) -> dict:
     """time_speedup: the rows' summed plain over summed speculative time to the whole answer
-    (``decode_s``: from the end of the prefill to the last token, the first token included);
+    (``decode_s``: from the end of the prefill to the last token, the first token included; the
+    plain time for an answer of the speculative one's length, :func:`plain_time_for`);
     lowest_time_speedup: the lowest one row's ratio. None where a row lacks the times (results
     of older versions) or one is 0."""
-    pairs = [(r.get("plain_decode_s"), r.get("decode_s")) for r in rs]
+    pairs = [(plain_time_for(r), r.get("decode_s")) for r in rs]
     if not pairs or any(not p or not s for p, s in pairs):
         return {"time_speedup": None, "lowest_time_speedup": None}
     return {"time_speedup": round(sum(p for p, _ in pairs) / sum(s for _, s in pairs), 3),
@@ -62,9 +74,10 @@ def prompt_lines(result: dict, categories: Sequence[str] = ("fim",)) -> list[str
         return []
     out = [f"per prompt ({', '.join(categories)}): seconds to the whole answer after the prompt, plain / speculative"]
     for r in rows:
+        plain_s = plain_time_for(r)
         out.append(f"  {r['id']:38} {run_label(r['config'], r.get('vary')):14} {r['completion_tokens']:4} tok "
-                   f"{r['finish_reason']:6} {r['plain_decode_s']:6.2f} s {r['decode_s']:6.2f} s "
-                   f"{r['plain_decode_s'] / r['decode_s']:5.2f}x  accepted {r['accepted']}/{r['drafted']}  {r['parity']}")
+                   f"{r['finish_reason']:6} {plain_s:6.2f} s {r['decode_s']:6.2f} s "
+                   f"{plain_s / r['decode_s']:5.2f}x  accepted {r['accepted']}/{r['drafted']}  {r['parity']}")
     return out
 
 

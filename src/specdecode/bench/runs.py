@@ -149,12 +149,15 @@ def make_row(p: BenchPrompt, name: str, result: GenerationResult, plain: Generat
     tokens as that plain run, what a seed promises under batch invariance; vary: the variant's
     "SETTING=VALUE", or None; decode_s, plain_decode_s: seconds from the end of the prefill to
     the last token, the time to the whole answer (a completion's whole middle) that the user
-    waits beyond the prompt; prompt_cached: the prompt's tokens a slot's cache already held)."""
+    waits beyond the prompt; plain_completion_tokens: the plain answer's length (it differs where a
+    near-tie sent greedy decoding another way); prompt_cached: the prompt's tokens a slot's cache
+    already held)."""
     s = result.stats
     return {
         "id": p.id, "category": p.category, "config": name, "vary": vary or None, "grammar": p.grammar is not None,
         "finish_reason": result.finish_reason,
         "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+        "plain_completion_tokens": plain.stats.completion_tokens,
         "spec_tokens_per_s": decode_rate(s.completion_tokens, s.first_token_s, s.prefill_s + s.decode_s),
         "plain_tokens_per_s": plain_rate(plain),
         "decode_s": s.decode_s, "plain_decode_s": plain.stats.decode_s, "prompt_cached": s.prompt_cached,
