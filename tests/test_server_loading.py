@@ -219,6 +219,21 @@ def test_a_signal_during_the_load_exits_cleanly(tmp_path, sig, status):
     assert "specdecode: error" not in text and (sig != signal.SIGINT or "specdecode: interrupted" in text), text
 
 
+def test_sigint_once_serving_exits_130(tmp_path):
+    proc, url, log = serve(tmp_path)
+    try:
+        (tmp_path / "gate").touch()
+        deadline = time.monotonic() + WAIT_S
+        while poll_health(proc, url, tmp_path).status_code == 503:
+            assert time.monotonic() < deadline, "the model never became ready"
+            time.sleep(0.1)
+        rc = finish(proc, log, signal.SIGINT)
+    finally:
+        finish(proc, log)
+    text = (tmp_path / "serve.log").read_text()
+    assert rc == 130 and "specdecode: interrupted" in text and "Traceback" not in text, (rc, text)
+
+
 def test_a_missing_model_file_still_exits_non_zero_with_one_error_line(tmp_path):
     missing = tmp_path / "missing.gguf"
     proc, url, log = serve(tmp_path, target=str(missing), gate=False)

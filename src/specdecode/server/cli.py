@@ -121,6 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loading.join()  # a load still running when the server stopped (llama.cpp cannot be interrupted)
         if "decoder" in loaded:
             loaded["decoder"].close()
+    if server.interrupted:
+        raise KeyboardInterrupt  # SIGINT: exit status 130, once the server has stopped
     if loading.error is not None:
         raise loading.error  # one line from the CLI, as a load before the server started gave
     return 0
@@ -138,13 +140,18 @@ def _server_class() -> type:
     waiting requests get 503, running ones end after the current step, a stream with an
     error chunk and ``data: [DONE]``; then the connections close and the process exits.
     SIGTERM, the ordinary way to stop a service, then exits with status 0, where uvicorn
-    would raise the signal again once shut down (death by the signal)."""
+    would raise the signal again once shut down (death by the signal). SIGINT sets
+    ``interrupted``, and ``serve`` raises KeyboardInterrupt once the server has stopped (exit
+    status 130): uvicorn would raise the signal again inside asyncio's runner, whose own SIGINT
+    handler then cancels a main task that may finish first, and the process exited 0 (seen
+    under load, a SIGINT during the load)."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
         def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
             super().__init__(config)
             self._on_exit = on_exit
+            self.interrupted = False
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
@@ -153,8 +160,9 @@ def _server_class() -> type:
                 except RuntimeError:  # no event loop runs (yet): nothing can hold the lock
                     self._on_exit()
             super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM and hasattr(self, "_captured_signals"):
-                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            if sig in (signal.SIGTERM, signal.SIGINT) and hasattr(self, "_captured_signals"):
+                self._captured_signals = [s for s in self._captured_signals if s != sig]
 
     return StoppingServer
 
