@@ -429,3 +429,14 @@ def test_a_pair_with_too_few_shared_texts_is_refused_with_the_overlap():
     with pytest.raises(IncompatibleVocabularyError, match=r"draft other cannot draft for target target across "
                                                           r"tokenizers: 1 token texts shared \(0% of draft other's 201 ids"):
         CrossVocabDrafter(other, target)
+
+
+def test_a_fork_drafts_on_its_own_sequence_with_a_mirror_of_its_own(pair):
+    models, _ = pair
+    drafter = CrossVocabDrafter(models["few"], models["target"], method="slem")
+    with pytest.raises(SpecDecodeError, match="holds 1 sequence"):
+        drafter.fork(1)
+    twin = drafter.fork(0)
+    assert twin.backend is drafter.backend and twin._mirror is not drafter._mirror and not twin._owner
+    twin.close()
+    assert models["few"].n_vocab > 0  # the twin did not close the model it shares

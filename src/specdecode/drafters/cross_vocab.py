@@ -32,7 +32,6 @@ Dimension letters: K = drafted tokens, L = context length, Vd / Vt = draft / tar
 
 from __future__ import annotations
 
-import copy
 from bisect import bisect_right
 from typing import Sequence
 
@@ -42,7 +41,8 @@ from ..backends.base import Backend, common_prefix_len
 from ..backends.vocab_map import VocabMap, build_vocab_map, render
 from ..errors import IncompatibleVocabularyError, SpecDecodeError
 from ..sampling import Sampler
-from .base import ContinuationRule, Draft, IncrementalDrafter
+from .base import ContinuationRule, Draft
+from .model import OwnedDraftModel
 
 METHODS = ("slem", "tli")
 # Draft tokens before the first changed byte that the mirror tokenizes again with the new text:
@@ -137,7 +137,7 @@ class TextMirror:
         return pos == end or j == len(self.prefix)
 
 
-class CrossVocabDrafter(IncrementalDrafter):
+class CrossVocabDrafter(OwnedDraftModel):
     """A draft model with its own tokenizer drafts for the target (see the module docstring).
 
     method: "slem", "tli" or "auto" (SLEM for greedy generations, TLI for sampled ones);
@@ -180,24 +180,8 @@ class CrossVocabDrafter(IncrementalDrafter):
         """How the controller's explanation names it."""
         return f"draft model {self.backend.name} ({self.ran.upper()} across tokenizers)"
 
-    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
-        self.keep_drafting = rule
-
-    def draft_backends(self) -> list[Backend]:
-        return [self.backend]
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._owner:
-                self.backend.close()
-
     def fork(self, seq: int) -> "CrossVocabDrafter":
-        if not 0 <= seq < self.backend.n_seq:
-            raise SpecDecodeError(f"the draft model {self.backend.name} holds {self.backend.n_seq} sequence(s): "
-                                  f"it cannot draft on sequence {seq}")
-        twin = copy.copy(self)
-        twin.seq, twin._owner, twin._closed = seq, False, False
+        twin = self._twin(seq)
         twin._mirror, twin._cached, twin._sampler = TextMirror(self.backend, self.target), [], None
         twin.drafted, twin.accepted = dict.fromkeys(METHODS, 0), dict.fromkeys(METHODS, 0)
         return twin

@@ -18,7 +18,41 @@ from .base import ContinuationRule, Draft, IncrementalDrafter
 from .tree import TreeDrafting, grow_tree
 
 
-class ModelDrafter(IncrementalDrafter, TreeDrafting):
+class OwnedDraftModel(IncrementalDrafter):
+    """What a drafter over a draft model keeps: the model (``backend``, closed by the drafter
+    that loaded it, shared by its forks), the KV sequence it drafts on (``seq``), and the
+    controller's continuation rule (``keep_drafting``). Subclasses set those in __init__."""
+
+    backend: Backend
+    seq: int
+    keep_drafting: ContinuationRule | None
+    _owner: bool
+    _closed: bool
+
+    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
+        self.keep_drafting = rule
+
+    def draft_backends(self) -> list[Backend]:
+        return [self.backend]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._owner:
+                self.backend.close()
+
+    def _twin(self, seq: int):
+        """A copy drafting on the model's KV sequence seq, not owning the model (fork's start).
+        Raises SpecDecodeError when the draft model holds fewer sequences."""
+        if not 0 <= seq < self.backend.n_seq:
+            raise SpecDecodeError(f"the draft model {self.backend.name} holds {self.backend.n_seq} sequence(s): "
+                                  f"it cannot draft on sequence {seq}")
+        twin = copy.copy(self)
+        twin.seq, twin._owner, twin._closed, twin.keep_drafting = seq, False, False, None
+        return twin
+
+
+class ModelDrafter(OwnedDraftModel, TreeDrafting):
     """A smaller model on any backend drafts K tokens autoregressively.
 
     Greedy generations draft greedily (probs None); sampled ones draw each draft from the
@@ -81,27 +115,11 @@ class ModelDrafter(IncrementalDrafter, TreeDrafting):
         self.keep_drafting: ContinuationRule | None = None
         self._closed = False
 
-    def set_continuation_rule(self, rule: ContinuationRule | None) -> None:
-        self.keep_drafting = rule
-
-    def draft_backends(self) -> list[Backend]:
-        return [self.backend]
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._owner:
-                self.backend.close()
-
     def fork(self, seq: int) -> "ModelDrafter":
         """A drafter on the same draft model, drafting on its KV sequence seq.
         Raises SpecDecodeError when the draft model holds fewer sequences."""
-        if not 0 <= seq < self.backend.n_seq:
-            raise SpecDecodeError(f"the draft model {self.backend.name} holds {self.backend.n_seq} sequence(s): "
-                                  f"it cannot draft on sequence {seq}")
-        twin = copy.copy(self)
-        twin.seq, twin._owner, twin._closed = seq, False, False
-        twin._cached, twin._sampler, twin.keep_drafting = [], None, None
+        twin = self._twin(seq)
+        twin._cached, twin._sampler = [], None
         return twin
 
     def start(self, prompt_ids: Sequence[int], sampler: Sampler) -> None:
