@@ -439,4 +439,4 @@ def test_a_fork_drafts_on_its_own_sequence_with_a_mirror_of_its_own(pair):
     twin = drafter.fork(0)
     assert twin.backend is drafter.backend and twin._mirror is not drafter._mirror and not twin._owner
     twin.close()
-    assert models["few"].n_vocab > 0  # the twin did not close the model it shares
+    assert models["few"].tokenize("a", add_special=False)  # the twin did not close the model it shares
