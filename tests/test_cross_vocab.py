@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats as sstats
 
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.vocab_map import build_vocab_map, render
@@ -21,6 +20,7 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.errors import IncompatibleVocabularyError, SpecDecodeError
 from specdecode.sampling import Sampler, SamplingParams
 
+from chi_square import pooled_p
 from tiny_gguf import CORPUS, TinyVocab, TinyWeights, base_vocab, write_gguf
 
 PROMPT = "the quick brown fox"
@@ -195,20 +195,6 @@ def exact_pairs(target: LlamaCppBackend, prompt: list[int], temperature: float) 
     return out
 
 
-def chi_square_p(counts: dict, expected: dict, n: int) -> float:
-    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
-    for key, p in expected.items():
-        if p * n >= 5:
-            obs.append(counts.get(key, 0))
-            exp.append(p * n)
-        else:
-            rest_o += counts.get(key, 0)
-            rest_e += p * n
-    obs.append(rest_o + sum(v for k, v in counts.items() if k not in expected))
-    exp.append(max(rest_e, 1e-9) + max(0.0, n - sum(expected.values()) * n))
-    return sstats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue
-
-
 def test_sampled_tokens_follow_the_target_and_a_wrong_mapping_is_caught(pair):
     models, _ = pair
     target, few = models["target"], models["few"]
@@ -217,7 +203,7 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_mapping_is_caught(pair):
     n = 1500
     drafter = CrossVocabDrafter(few, target, method="tli")
     counts = pair_counts(SpeculativeEngine(target, drafter, 3), prompt, n)
-    assert chi_square_p(counts, expected, n) > 1e-3
+    assert pooled_p(counts, expected, n) > 1e-3
     r = SpeculativeEngine(target, drafter, 3).generate(prompt, max_tokens=40,
                                                         sampling=SamplingParams(temperature=1.5, seed=1))
     drafted, accepted = r.stats.drafted, r.stats.accepted
@@ -226,7 +212,7 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_mapping_is_caught(pair):
     wrong = np.arange(target.n_vocab)
     wrong[shared] = np.random.default_rng(1).permutation(shared)
     bad = MismappedDrafter(few, target, method="tli", wrong=wrong)
-    assert chi_square_p(pair_counts(SpeculativeEngine(target, bad, 3), prompt, n), expected, n) < 1e-6
+    assert pooled_p(pair_counts(SpeculativeEngine(target, bad, 3), prompt, n), expected, n) < 1e-6
 
 
 # --- two models that know one text, each in its own tokens ---------------------------------
@@ -408,7 +394,7 @@ def test_sampled_tokens_follow_a_torch_target(torch_pair):
     expected = exact_pairs(target, prompt, 0.3)
     n = 1200
     drafter = CrossVocabDrafter(draft, target, method="tli")
-    assert chi_square_p(pair_counts(SpeculativeEngine(target, drafter, 3), prompt, n, 0.3), expected, n) > 1e-3
+    assert pooled_p(pair_counts(SpeculativeEngine(target, drafter, 3), prompt, n, 0.3), expected, n) > 1e-3
     assert drafter.drafted["tli"] > 0
 
 

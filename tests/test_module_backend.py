@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats as sstats
 
 import specdecode.engine.core
 from specdecode import Decoder, IncompatibleVocabularyError, ModuleBackend, SpecDecodeError
 from specdecode.grammar import Grammar
 from specdecode.verify import VerifyResult
 
+from chi_square import pooled_p
 from backend_conformance import check_forward_rollback_forward, check_logits_only_where_asked
 
 V = 12
@@ -106,17 +106,7 @@ def two_code_counts(dec: Decoder, n: int, **options) -> dict:
 def chi_square_p(counts: dict, n: int) -> float:
     """Pairs (x1, x2) after code 0 against the chain's P[0, x1] P[x1, x2], rare cells pooled."""
     expected = {(a, b): TARGET[0, a] * TARGET[a, b] for a in range(V) for b in range(V)}
-    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
-    for key, p in expected.items():
-        if p * n >= 5:
-            obs.append(counts.get(key, 0))
-            exp.append(p * n)
-        else:
-            rest_o += counts.get(key, 0)
-            rest_e += p * n
-    obs.append(rest_o + sum(v for k, v in counts.items() if k not in expected))
-    exp.append(max(rest_e, 1e-9))
-    return sstats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue
+    return pooled_p(counts, expected, n)
 
 
 def accept_everything(draft_ids, draft_probs, target_probs, rng):
