@@ -284,6 +284,19 @@ def test_cli_builds_the_bench_config_from_its_options():
         config_from_args(_parse(["--ctx-size", "1"]))
 
 
+def test_draft_options_reach_the_configurations_whose_drafter_uses_them():
+    """--draft-backend torch beside prompt lookup applies to the draft model only; a draft option
+    that no configuration uses is refused before anything loads, naming it."""
+    cfg = BenchConfig(configs=("smollm2-135m-instruct:4", "ngram:auto"), draft_backend="torch", draft_vocab="slem")
+    assert cfg.draft_options("smollm2-135m-instruct") == {"draft_vocab": "slem", "draft_backend": "torch"}
+    assert cfg.draft_options("ngram") == {"draft_vocab": 0, "draft_backend": "auto"}
+    with pytest.raises(SpecDecodeError, match="draft_backend = 'torch' applies to a draft model; no configuration"):
+        BenchConfig(configs=("ngram:auto", "suffix:4"), draft_backend="torch")
+    with pytest.raises(SpecDecodeError, match="draft_vocab = 'tli'") as e:
+        BenchConfig(configs=("ngram:auto",), draft_vocab="tli")
+    assert e.value.param == "draft_vocab"
+
+
 def test_run_bench_is_a_library_call(smollm_path, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in (

@@ -11,6 +11,7 @@ from ..errors import SpecDecodeError
 from ..limits import (DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, check_max_tree_nodes,
                       check_tree_width)
 from ..sampling import SamplingParams
+from ..drafters.kinds import uses_option
 from .load import BackgroundLoad
 from .suite import DEFAULT_BENCH_MAX_TOKENS, parse_config
 from .vary import Vary, parse_vary
@@ -85,6 +86,7 @@ class BenchConfig:
             raise SpecDecodeError("configs is empty: give at least one DRAFT:K", param="configs")
         for c in self.configs:
             parse_config(c)
+        self.check_draft_options()
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens = {self.max_tokens} is out of range: expected >= 1", param="max_tokens")
         check_max_tree_nodes(self.max_tree_nodes)
@@ -98,6 +100,22 @@ class BenchConfig:
         if vary is not None and vary.setting.name == "sampling_rule" and self.sampling.greedy:
             raise SpecDecodeError(f"--vary {self.vary}: the sampling rules differ only when sampling: give a "
                                   f"--temperature above 0", param="--vary")
+
+    def draft_options(self, draft: str) -> dict[str, object]:
+        """The draft options (draft_vocab, draft_backend) as given, for the configurations' drafter
+        ``draft``: each one it uses, the others left at "not given" (a bench of a draft model
+        beside prompt lookup applies ``--draft-backend`` to the model only)."""
+        return {"draft_vocab": self.draft_vocab if uses_option(draft, "draft_vocab") else 0,
+                "draft_backend": self.draft_backend if uses_option(draft, "draft_backend") else "auto"}
+
+    def check_draft_options(self) -> None:
+        """A draft option given that no configuration's drafter uses is refused, naming it.
+        Raises SpecDecodeError."""
+        for name, value in (("draft_vocab", self.draft_vocab), ("draft_backend", self.draft_backend)):
+            if value and value != "auto" and not any(uses_option(d, name) for d, _ in self.parsed_configs()):
+                drafts = ", ".join(repr(d) for d, _ in self.parsed_configs())
+                raise SpecDecodeError(f"{name} = {value!r} applies to a draft model; no configuration has one "
+                                      f"(drafts {drafts})", param=name)
 
     def parsed_configs(self) -> list[tuple[str, int | str]]:
         """configs as (draft, K) pairs."""

@@ -86,15 +86,17 @@ def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, Spec
     """Add one engine per configuration to ``engines`` (filled in place, so that a failure
     part way still leaves the drafters loaded so far to be closed). draft_vocab: a varied
     drafter setting's value (None: the config's)."""
-    opts = dict(n_ctx=config.n_ctx, n_threads=config.n_threads, progress=config.progress,
-                backend=config.draft_backend, dtype=config.dtype, device=config.device)
+    opts = dict(n_ctx=config.n_ctx, n_threads=config.n_threads, progress=config.progress, dtype=config.dtype,
+                device=config.device)
     for draft, k in config.parsed_configs():
         if f"{draft}:{k}" in engines:  # "ngram" and "ngram:auto" name the same configuration
             continue
-        # a varied draft_vocab reaches the drafters that use it; the others draft as usual
-        opts["draft_vocab"] = draft_vocab if draft_vocab is not None and uses_option(draft, "draft_vocab") \
-            else config.draft_vocab
-        check_draft_options(draft, draft_vocab=opts["draft_vocab"], draft_backend=config.draft_backend)
+        # the draft options reach the drafters that use them (a varied draft_vocab too); the others draft as usual
+        given = config.draft_options(draft)
+        if draft_vocab is not None and uses_option(draft, "draft_vocab"):
+            given["draft_vocab"] = draft_vocab
+        check_draft_options(draft, **given)
+        opts.update(draft_vocab=given["draft_vocab"], backend=given["draft_backend"])
         choice = resolve(draft, k)
         # With trees, CONFIG+trees gets drafters of its own: a lookup in earlier requests (suffix)
         # must not find the answer that CONFIG's run of the same prompt just gave.
