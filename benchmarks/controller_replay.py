@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--outputs", default="controller_replay_outputs.json",
                     help="recorded greedy outputs (read if present, else recorded and written)")
     ap.add_argument("--prediction", action="store_true", help="hand each prompt's prediction to the drafters")
+    ap.add_argument("--fresh", action="store_true",
+                    help="a new controller and new lookups for each prompt (default: kept across prompts in order, "
+                         "as in the bench)")
     return ap
 
 
@@ -180,6 +183,8 @@ def main(argv=None) -> None:
         controller, oracle_drafters = lookup_controller(curve, args.kmax), lookup_drafters("auto")
         for p in prompts:
             rec = data[p.id]
+            if args.fresh:
+                controller, oracle_drafters = lookup_controller(curve, args.kmax), lookup_drafters("auto")
             pred = dec.input_ids(p.prediction) if args.prediction and p.prediction else None
             o = oracle_replay(rec["prompt"], rec["output"], base, oracle_drafters, kmax=args.kmax,
                               prediction=pred, context_costs=context)
