@@ -336,6 +336,21 @@ def test_slem_drafts_whole_target_tokens_and_the_end():
     assert tail.token_ids == target.tokenize("b\n") + [target.eos]
 
 
+def test_slem_asks_the_continuation_rule_in_whole_target_tokens():
+    """The controller's rule ("draft token i+1?") counts target tokens: SLEM asks it only once its
+    text holds one, so a rule that stops at the first chance still drafts a whole token (before,
+    it stopped after "ret", a word not safe to hand over, and the draft model's forward drafted
+    nothing)."""
+    target, draft = TextModel(TARGET_PIECES, "target"), TextModel(DRAFT_PIECES, "draft")
+    drafter = CrossVocabDrafter(draft, target, method="slem")
+    asked = []
+    drafter.set_continuation_rule(lambda i, p: asked.append(i) or False)
+    drafter.start([], Sampler(SamplingParams()))
+    got = drafter.propose(target.tokenize("def add(a, b):\n"), 3)
+    assert got.token_ids and got.token_ids == target.tokenize("    return a")[:len(got.token_ids)]
+    assert asked and asked[0] >= 1 and len(asked) == 1
+
+
 # --- the torch backend, and a pair across the two backends ----------------------------------
 
 

@@ -16,7 +16,7 @@ from specdecode.control.costmodel import CostCurve, ObservedCurve
 from specdecode.control.estimators import AcceptanceEstimator
 from specdecode.control.guard import SpeedGuard
 from specdecode.control.measure import implausible_points, interleaved, measure_forward_curve, repair
-from specdecode.drafters import Draft, DrafterBase, NoDrafter
+from specdecode.drafters import Draft, DrafterBase, IncrementalDrafter, NoDrafter
 from specdecode.drafters.base import LookupDrafter, Match
 from specdecode.engine import SpeculativeEngine
 
@@ -421,6 +421,44 @@ def test_the_guard_on_an_engine_whose_verification_is_dear(scripted_clock):
     assert "the guard stopped drafting" in c.explain()
     # What the guard judged is the script (a plain step: one forward of one token), not the machine.
     assert len(c.guard.plain_s) >= 2 and all(s == pytest.approx(0.003) for s in c.guard.plain_s), c.guard.plain_s
+
+
+def test_a_draft_model_that_drafts_nothing_is_counted_as_speculation(scripted_clock):
+    """A draft model whose every proposal costs 20 ms on the scripted clock and comes back empty
+    (a draft across tokenizers whose text held no whole token): the guard counts that time as
+    speculation that gained nothing and stops it, so the generation stays near plain speed (before, each step paid the draft and the guard saw only
+    plain steps)."""
+
+    class Empty(IncrementalDrafter):
+        name = "empty model"
+        calls = 0
+
+        def propose(self, context, k):
+            self.calls += 1
+            scripted_clock.advance(0.020)
+            return Draft([])
+
+        def pending(self, context):
+            return 0
+
+        def set_continuation_rule(self, rule):
+            pass
+
+    class Timed(ScriptedBackend):
+        def forward_batch(self, items):
+            scripted_clock.advance(0.010)
+            return super().forward_batch(items)
+
+    script = [5 + i % 7 for i in range(200)]
+    pieces = [b"<eos>"] + [bytes([65 + i]) for i in range(15)]
+    drafter = Empty()
+    src = Source(drafter, 0.001, estimator=AcceptanceEstimator(prior_alpha=0.9))
+    c = SpeculationController([src], CostCurve((1, 9), (0.010, 0.011)), kmax=8)
+    r = SpeculativeEngine(Timed(pieces, script, n_prompt=3), c, 8).generate([2, 3, 4], max_tokens=200)
+    assert r.token_ids == script[:200]
+    assert c.guard.stops >= 1
+    assert drafter.calls <= 40  # of 199 steps; every one without the guard's count
+    assert scripted_clock.now <= 1.4 * 200 * 0.010  # plain: 2 s
 
 
 def test_the_guard_does_not_slow_an_oracle_drafter(scripted_clock):

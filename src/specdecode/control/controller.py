@@ -118,7 +118,7 @@ class SpeculationController(PlannedDrafter):
         self.choice = SourceSet(self.sources)  # which sources this generation may draft with
         self._tree_expected: float | None = None  # the last tree's summed node probabilities
         # whether propose() ran this step, its seconds, its own verification, the tokens before it (T(n, c) read at)
-        self._proposed, self._draft_s, self._own_verify, self._context_len = False, 0.0, None, 0
+        self._proposed, self._draft_s, self._own_verify, self._context_len, self._wasted = False, 0.0, None, 0, False
 
     last_source = property(lambda self: self._last.name if self._last is not None else None,
                            doc="The name of the source whose draft the last proposal returned (None: none).")
@@ -316,6 +316,8 @@ class SpeculationController(PlannedDrafter):
             t0, behind = time.perf_counter(), isinstance(s.drafter, IncrementalDrafter) and s.drafter.pending(context) > 4
             draft = s.drafter.propose(context, plan.k)
             drafted_s = time.perf_counter() - t0
+            # A model that ran and drafted nothing: the guard counts its time as speculation that gained nothing.
+            self._wasted = self._wasted or (not draft.token_ids and isinstance(s.drafter, IncrementalDrafter))
             draft, levels, first = shape_tree(draft, s, self._costs.at(self._context_len), drafted_s)  # a tree: the prefix that pays
             self._tree_expected = sum(draft.node_probs) if draft.parents is not None and draft.node_probs else None
             if draft.token_ids:
@@ -358,12 +360,9 @@ class SpeculationController(PlannedDrafter):
         self._confidence = outcome.top1_probability
         num_accepted = outcome.num_accepted
         if self._own_verify is not None:
-            drafted = self._last_k if self._proposed else 0
-            if drafted:
-                self.guard.speculative_step(self._draft_s + self._own_verify, num_accepted + 1)
-            else:
-                self.guard.plain_step(self._own_verify)
-        self._proposed, self._own_verify, self._draft_s = False, None, 0.0
+            self.guard.judge(self._last_k if self._proposed else 0, self._draft_s, self._own_verify, num_accepted + 1,
+                             self._wasted)
+        self._proposed, self._own_verify, self._draft_s, self._wasted = False, None, 0.0, False
         s = self._last
         self._prev_source, self._prev_full = s, s is not None and num_accepted == self._last_k
         if s is not None:  # a copy that goes on lengthens the run; a rejection ends it

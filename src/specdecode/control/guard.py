@@ -77,6 +77,15 @@ class SpeedGuard:
             return False
         return True
 
+    def judge(self, drafted: int, draft_s: float, verify_s: float, committed: int, wasted: bool = False) -> None:
+        """One step of this generation: speculative when it drafted ``drafted`` tokens, or when a
+        draft model ran and drafted nothing (``wasted``: its ``draft_s`` spent for no draft);
+        else plain (its forward of one token, ``verify_s``). committed: tokens the step kept."""
+        if drafted or wasted:
+            self.speculative_step(draft_s + verify_s, committed)
+        else:
+            self.plain_step(verify_s)
+
     def plain_step(self, seconds: float) -> None:
         """A step that drafted nothing took ``seconds`` (its forward of one token)."""
         self.plain_s.append(seconds)

@@ -233,13 +233,17 @@ class CrossVocabDrafter(OwnedDraftModel):
                 end_id, done = self.vmap.draft_eog_to_target.get(tok), True
                 break
             text += self._mirror.render_draft(tok)
+            ids = self._target_ids(text, False)
+            if len(ids) >= k:
+                return Draft(ids[:k])
             if self.keep_drafting is not None:
                 z = logits - logits[tok]
                 p_cum *= float(1.0 / np.exp(z).sum())
-                if not self.keep_drafting(i + 1, p_cum):
+                # The rule counts target tokens: asked only once the safe text holds one (a
+                # draft token alone is often a word not yet safe to hand over: stopping then
+                # would have paid for a forward and drafted nothing).
+                if ids and not self.keep_drafting(len(ids), p_cum):
                     break
-            if i + 1 >= (k + 1) // 2 and len(ids := self._target_ids(text, False)) >= k:
-                return Draft(ids[:k])
             if i + 1 < budget:
                 logits = self._feed(tok)
         ids = self._target_ids(text, done)
