@@ -209,7 +209,6 @@ def test_a_drafter_setting_shares_the_target_and_builds_each_values_drafters_wit
     built.clear()
     FakeDecoder.loads = []
     monkeypatch.setattr(runner, "uses_option", lambda draft, name: True)  # as a draft model does
-    monkeypatch.setattr(runner, "check_draft_options", lambda *a, **k: None)
     res = run_bench(config)
     assert FakeDecoder.loads == ["auto"] and built == ["slem", "tli"]  # one target, each value's own drafters
     assert {r["vary"] for r in res["rows"]} == {"draft_vocab=slem", "draft_vocab=tli"}

@@ -111,11 +111,11 @@ class BenchConfig:
     def check_draft_options(self) -> None:
         """A draft option given that no configuration's drafter uses is refused, naming it.
         Raises SpecDecodeError."""
+        drafts = [d for d, _ in self.parsed_configs()]
         for name, value in (("draft_vocab", self.draft_vocab), ("draft_backend", self.draft_backend)):
-            if value and value != "auto" and not any(uses_option(d, name) for d, _ in self.parsed_configs()):
-                drafts = ", ".join(repr(d) for d, _ in self.parsed_configs())
+            if value and value != "auto" and not any(uses_option(d, name) for d in drafts):
                 raise SpecDecodeError(f"{name} = {value!r} applies to a draft model; no configuration has one "
-                                      f"(drafts {drafts})", param=name)
+                                      f"(drafts {', '.join(map(repr, drafts))})", param=name)
 
     def parsed_configs(self) -> list[tuple[str, int | str]]:
         """configs as (draft, K) pairs."""

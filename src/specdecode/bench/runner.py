@@ -34,7 +34,7 @@ from ..backends.base import Backend
 from ..control.costmodel import CostCurve
 from ..control.context_costs import cached_context_costs
 from ..control.costcache import cached_forward_curve
-from ..drafters.kinds import check_draft_options, resolve, uses_option
+from ..drafters.kinds import resolve, uses_option
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
@@ -95,7 +95,6 @@ def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, Spec
         given = config.draft_options(draft)
         if draft_vocab is not None and uses_option(draft, "draft_vocab"):
             given["draft_vocab"] = draft_vocab
-        check_draft_options(draft, **given)
         opts.update(draft_vocab=given["draft_vocab"], backend=given["draft_backend"])
         choice = resolve(draft, k)
         # With trees, CONFIG+trees gets drafters of its own: a lookup in earlier requests (suffix)
