@@ -255,3 +255,45 @@ def test_auto_draft_with_a_fixed_k_caps_the_controller(smollm_path, scripted_cos
     with specdecode.Decoder(target="smollm2-135m-instruct", draft="auto", num_speculative_tokens=0,
                             progress=False) as dec:
         assert dec.generate("def f():", max_tokens=4).stats.drafted == 0
+
+
+def _bounded_reference(curve: ObservedCurve, v: np.ndarray, trusted: np.ndarray) -> np.ndarray:
+    """ObservedCurve's bounds on untrusted points as first written: one point at a time, every
+    bound a loop over the points before or after it (what the vectorised form must equal)."""
+    vs, ns, ok, bs = v.tolist(), curve._ns.tolist(), trusted.tolist(), curve._base_s.tolist()
+    for j in range(len(vs)):
+        if ok[j]:
+            continue
+        below = [vs[i] * min(1.0, bs[j] / bs[i]) for i in range(j) if ok[i]]
+        above = [vs[i] for i in range(j + 1, len(vs)) if ok[i]]
+        lo = curve.FALL * max(below) if below else 0.0
+        hi = curve.RISE * min(above) if above else float("inf")
+        if j > 0:
+            hi = min(hi, curve.PER_TOKEN * min(vs[i] / ns[i] for i in range(j)) * ns[j])
+        vs[j] = min(max(vs[j], lo), max(hi, lo))
+    return np.asarray(vs)
+
+
+def test_the_planned_curve_keeps_untrusted_points_within_the_trusted_ones_bounds():
+    """The bounds of ObservedCurve.values, computed at once, equal the one-point-at-a-time
+    loop on random curves and samples (dips, rises, a kernel's cheap size, load bursts), and
+    they bind: some untrusted point is moved by them in most trials."""
+    rng = np.random.default_rng(7)
+    moved = 0
+    for _ in range(400):
+        ns = sorted(int(n) for n in rng.choice(np.arange(1, 60), size=int(rng.integers(2, 34)), replace=False))
+        secs = [0.03 * (1 + rng.uniform(0.3, 0.9) * (n - 1)) * rng.uniform(0.7, 1.3) for n in ns]
+        curve = ObservedCurve(CostCurve(tuple(ns), tuple(secs)))
+        for _ in range(int(rng.integers(1, 40))):
+            n = int(rng.choice(ns)) if rng.random() < 0.8 else int(rng.integers(1, 70))
+            curve.observe(n, curve.base(n) * rng.uniform(0.4, 2.5))
+        trusted = curve.trusted()
+        if not trusted.any() or trusted.all():
+            continue
+        ratio = np.array([np.median(d) if ok else curve.drift for d, ok in zip(curve._recent, trusted)])
+        ratio[~trusted] = np.interp(curve._ns[~trusted], curve._ns[trusted], ratio[trusted])
+        v = curve._base_s * ratio
+        expected = _bounded_reference(curve, v, trusted)
+        assert np.allclose(curve._bounded(v, trusted), expected, rtol=1e-12, atol=0)
+        moved += not np.allclose(expected, v)
+    assert moved > 50

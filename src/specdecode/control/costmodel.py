@@ -213,25 +213,39 @@ class ObservedCurve:
         if trusted.any() and not trusted.all():  # untrusted: the ratio of the trusted neighbours
             ratio[~trusted] = np.interp(n[~trusted], n[trusted], ratio[trusted])
         v = self._base_s * ratio
-        if trusted.any() and not trusted.all():  # in Python floats: a few dozen sizes, every step
-            vs, ns, ok, bs = v.tolist(), n.tolist(), trusted.tolist(), self._base_s.tolist()
-            for j in range(len(vs)):
-                if ok[j]:
-                    continue
-                # sizes ascend; a fall the measured curve itself shows (a kernel's cheap size) is kept:
-                # load makes a measured point dear, never cheap
-                below = [vs[i] * min(1.0, bs[j] / bs[i]) for i in range(j) if ok[i]]
-                above = [vs[i] for i in range(j + 1, len(vs)) if ok[i]]
-                lo = self.FALL * max(below) if below else 0.0
-                hi = self.RISE * min(above) if above else float("inf")
-                if j > 0:  # every smaller size, already kept in bounds
-                    hi = min(hi, self.PER_TOKEN * min(vs[i] / ns[i] for i in range(j)) * ns[j])
-                vs[j] = min(max(vs[j], lo), max(hi, lo))
-            v = np.asarray(vs)
+        if trusted.any() and not trusted.all():
+            v = self._bounded(v, trusted)
         if self._ns[0] == 1:  # a forward of n tokens costs at most n one-token steps: slower samples are load
             v = np.minimum(v, self._ns * v[0])
         self._values = v
         return v
+
+    def _bounded(self, v: np.ndarray, trusted: np.ndarray) -> np.ndarray:
+        """[len(base.ns)] v with each untrusted point kept within what the trusted ones allow
+        (:meth:`values`). The bounds from trusted points are computed at once (they do not change
+        while untrusted points are clamped); only the per-token bound, which follows the points
+        already clamped, runs in order: about 25 us for 33 sizes, every step."""
+        bs, ns = self._base_s, self._ns
+        t = np.flatnonzero(trusted)
+        # below[j]: max over trusted i < j of v[i] min(1, bs[j] / bs[i]); a fall the measured curve
+        # itself shows (a kernel's cheap size) is kept: load makes a measured point dear, never cheap
+        scaled = v[t, None] * np.minimum(1.0, bs[None, :] / bs[t, None])
+        scaled[t[:, None] >= np.arange(len(v))[None, :]] = -np.inf
+        below = scaled.max(axis=0)
+        lo = np.where(np.isfinite(below), self.FALL * below, 0.0)
+        # above[j]: min over trusted i > j of v[i]
+        dear = np.where(trusted, v, np.inf)
+        above = np.append(np.minimum.accumulate(dear[::-1])[::-1][1:], np.inf)
+        hi = self.RISE * above
+        vs, ok, ns_l = v.tolist(), trusted.tolist(), ns.tolist()
+        lo_l, hi_l = lo.tolist(), hi.tolist()
+        per_token = float("inf")  # min over smaller sizes of T(i) / i, as kept
+        for j in range(len(vs)):
+            if not ok[j]:
+                h = min(hi_l[j], self.PER_TOKEN * per_token * ns_l[j])
+                vs[j] = min(max(vs[j], lo_l[j]), max(h, lo_l[j]))
+            per_token = min(per_token, vs[j] / ns_l[j])
+        return np.asarray(vs)
 
     def ratios(self) -> np.ndarray:
         """[len(base.ns)] planned / measured at the measured sizes."""
