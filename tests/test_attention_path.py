@@ -36,8 +36,15 @@ def test_the_path_that_verifies_cheaper_after_long_contexts_is_chosen():
     assert choose_attention(MEASURED) == "off"
     # Not 5% cheaper at one size after 4,096 tokens: llama.cpp's own.
     assert choose_attention(costs((0.053, 0.778), (0.0545, 0.960), (0.030, 0.743), (0.028, 0.33))) == "auto"
-    # Its one-token step more than 10% dearer after 64 tokens (chats): llama.cpp's own.
-    assert choose_attention(costs((0.053, 0.778), (0.060, 0.960), (0.030, 0.743), (0.013, 0.33))) == "auto"
+    # Its one-token step more than 15% dearer after 64 tokens (chats): llama.cpp's own.
+    assert choose_attention(costs((0.053, 0.778), (0.062, 0.960), (0.030, 0.743), (0.013, 0.33))) == "auto"
+    # 13% dearer there, within a median of three forwards' noise, and cheaper on average over the
+    # contexts: off (measured on an AMD EPYC Zen 4: T(1) 32.0 / 35.6 ms after 64 tokens, 25.3 / 16.1 ms
+    # more after 4,096; T(33) 452 / 474 ms, 702 / 308 ms more).
+    zen4 = costs((0.0320, 0.452), (0.0356, 0.474), (0.0253, 0.702), (0.0161, 0.308))
+    assert choose_attention(zen4) == "off"
+    # The same, but its one-token step no cheaper after long contexts: dearer on average, llama.cpp's own.
+    assert choose_attention(costs((0.0320, 0.452), (0.0356, 0.474), (0.0253, 0.702), (0.0253, 0.308))) == "auto"
     same = MEASURED["auto"]
     assert choose_attention({"auto": same, "off": same}) == "auto"
     empty = ContextCosts(64, (), (1,), ())
@@ -118,8 +125,12 @@ def test_a_window_too_short_for_a_long_context_keeps_llama_cpps_own(unset, tmp_p
 
 def test_on_a_real_model_both_paths_run_and_speculation_keeps_plain_decodings_tokens(smollm_path, unset, tmp_path):
     """smollm2 measured on both paths (the choice is this machine's); then, on each path, greedy
-    speculation gives exactly that path's plain tokens."""
+    speculation gives that path's plain tokens, or differs first where plain decoding's two best
+    logits nearly tie (parity.NEAR_TIE_GAP): without flash attention no verified block of two or
+    more rows is bitwise the one-token steps (on an AMD EPYC Zen 4 this prompt flips at its 4th
+    token there), and a divergence at a wide gap fails."""
     from specdecode.backends.llama_cpp import LlamaCppBackend
+    from specdecode.parity import parity_report
 
     b = LlamaCppBackend(smollm_path, n_ctx=2048, name="smollm2 (attention)")
     try:
@@ -129,9 +140,10 @@ def test_on_a_real_model_both_paths_run_and_speculation_keeps_plain_decodings_to
         for path in ("off", "auto"):
             b.use_attention(path)
             eng = SpeculativeEngine(b, NgramDrafter(), 4)
-            plain = eng.generate(prompt, drafter=None, num_speculative_tokens=0, max_tokens=24).token_ids
-            spec = eng.generate(prompt, max_tokens=24).token_ids
-            assert spec == plain and len(plain) > 0, path
+            plain = eng.generate(prompt, drafter=None, num_speculative_tokens=0, max_tokens=24, record_top2_gaps=True)
+            spec = eng.generate(prompt, max_tokens=24)
+            report = parity_report(spec, plain)
+            assert len(plain.token_ids) > 0 and report["status"] in ("exact", "near-tie"), (path, report)
     finally:
         b.close()
 

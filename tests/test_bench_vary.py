@@ -138,6 +138,16 @@ def test_a_load_setting_is_set_for_its_load_only_and_checked(monkeypatch):
     with pytest.raises(SpecDecodeError, match="flash_attn=off: the target loaded with flash_attn auto"):
         check_loaded(flash, "off", t)
     assert check_loaded(flash, "auto", t) == "flash attention auto"
+    # "measured": the variable unset for the load (what a user gets), whichever path the
+    # measurement chose is what ran, and the header says why.
+    monkeypatch.setenv(FLASH, "on")
+    with loading_with(flash, "measured"):
+        assert FLASH not in os.environ
+    assert os.environ[FLASH] == "on"
+    t.flash_attention, t.attention_note = "off", "chosen by measurement: T(33) after 4096 tokens 782 ms without it"
+    assert check_loaded(flash, "measured", t) == ("flash attention off (chosen by measurement: T(33) after 4096 "
+                                                  "tokens 782 ms without it)")
+    assert parse_vary("flash_attn=measured,off").values == ("measured", "off")
 
 
 def test_each_value_loads_its_own_target_and_the_runs_interleave(scripted_bench, monkeypatch):

@@ -9,7 +9,8 @@ kinds:
 
 - ``load``: read by the llama.cpp backend when a model loads (an environment variable), so each
   value loads the target (and any draft model) again, with the variable set for that load only
-  and put back after: ``flash_attn`` (``SPECDECODE_LLAMA_FLASH_ATTN``: auto, on, off) and
+  and put back after: ``flash_attn`` (``SPECDECODE_LLAMA_FLASH_ATTN``: auto, on, off; or
+  measured, the variable unset: the path chosen by measurement, what a user gets) and
   ``buffers`` (``SPECDECODE_LLAMA_BUFFERS``: auto, the machine's own choice, or amx, repack,
   none). The loaded target must report the value asked (its ``flash_attention`` or ``buffers``),
   else the run stops with an error naming both: a comparison of a setting that did not take
@@ -37,6 +38,7 @@ from ..limits import BATCH_INVARIANCE, DRAFT_VOCAB_METHODS, SAMPLING_RULES
 from ..sampling import SamplingParams
 
 AUTO = "auto"  # a load setting's value that leaves the variable unset: the backend decides
+MEASURED = "measured"  # flash_attn unset: specdecode times both paths and keeps the cheaper (control/attention.py)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class Setting:
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("flash_attn", "load", tuple(FLASH_ATTENTION_MODES), env=FLASH_ATTENTION_ENV, reports="flash_attention"),
+    Setting("flash_attn", "load", (MEASURED, *FLASH_ATTENTION_MODES), env=FLASH_ATTENTION_ENV,
+            reports="flash_attention"),
     Setting("buffers", "load", (AUTO, *BUFFER_CHOICES), env=BUFFERS_ENV, clears=(LEGACY_REPACK_ENV,),
             reports="buffers"),
     Setting("strict", "generation", BATCH_INVARIANCE, field="batch_invariant"),
@@ -119,7 +122,7 @@ def loading_with(setting: Setting, value: str) -> Iterator[None]:
     saved = {n: os.environ.get(n) for n in names}
     for n in setting.clears:
         os.environ.pop(n, None)
-    if value == AUTO and setting.name == "buffers":  # the backend's own choice: the variable unset
+    if (value == AUTO and setting.name == "buffers") or value == MEASURED:  # the variable unset: chosen at load
         os.environ.pop(setting.env, None)
     else:
         os.environ[setting.env] = value
@@ -137,15 +140,18 @@ def check_loaded(setting: Setting, value: str, target) -> str:
     """What a target loaded for ``value`` of a load setting reports (its buffers' note or
     its attention), for the bench's header. Raises SpecDecodeError when the target has no
     such setting (a torch target: these are llama.cpp's) or reports another value than the
-    one asked ("auto" of buffers takes whatever the machine chose)."""
+    one asked ("auto" of buffers and "measured" of flash_attn take whatever the machine chose)."""
     got = getattr(target, setting.reports, None)
     if not isinstance(got, str):
         raise SpecDecodeError(f"--vary {setting.name} is a setting of the llama.cpp backend: target "
                               f"{getattr(target, 'name', target)} has none", param="--vary")
-    if got != value and not (setting.name == "buffers" and value == AUTO):
+    if got != value and not (setting.name == "buffers" and value == AUTO) and value != MEASURED:
         raise SpecDecodeError(f"--vary {setting.name}={value}: the target loaded with {setting.name} {got}",
                               param="--vary")
-    return getattr(target, "weights_note", "") if setting.name == "buffers" else f"flash attention {got}"
+    if setting.name == "buffers":
+        return getattr(target, "weights_note", "")
+    why = getattr(target, "attention_note", "")
+    return f"flash attention {got}" + (f" ({why})" if value == MEASURED and why else "")
 
 
 def run_options(setting: Setting | None, value: str | None, sampling: SamplingParams) -> tuple[SamplingParams, dict]:
