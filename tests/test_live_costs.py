@@ -387,15 +387,23 @@ def test_the_guard_leaves_speculation_alone_when_it_is_ahead_but_keeps_a_plain_r
     assert 4 <= steps.count(".") <= 8  # then rarer probes while well ahead
 
 
+class ScriptedTimedTarget(ScriptedBackend):
+    """A scripted target (3 prompt tokens) whose forward advances the scripted clock by
+    ``cost(items)`` seconds (items: the forward's (seq, tokens, logit rows))."""
+
+    def __init__(self, pieces, script, clock, cost) -> None:
+        super().__init__(pieces, script, n_prompt=3)
+        self.clock, self.cost = clock, cost
+
+    def forward_batch(self, items):
+        self.clock.advance(self.cost(items))
+        return super().forward_batch(items)
+
+
 def test_the_guard_on_an_engine_whose_verification_is_dear(scripted_clock):
     """A fake target whose forward costs 3 ms per token on the scripted clock (a CPU without
     flat verification) and a drafter that is always wrong: the guard keeps the generation
     near plain speed."""
-
-    class Dear(ScriptedBackend):
-        def forward_batch(self, items):
-            scripted_clock.advance(0.003 * sum(len(t) for _, t, _ in items))
-            return super().forward_batch(items)
 
     class Wrong(DrafterBase):
         name = "wrong"
@@ -409,9 +417,11 @@ def test_the_guard_on_an_engine_whose_verification_is_dear(scripted_clock):
     flat = CostCurve((1, 2, 4, 8, 9), (0.003,) * 5)
     src = Source(Wrong(), 0.0, estimator=AcceptanceEstimator(prior_alpha=0.99, prior_weight=1e9))
     c = SpeculationController([src], flat, kmax=8)
-    target = Dear(pieces, script, n_prompt=3)
+    dear = lambda items: 0.003 * sum(len(t) for _, t, _ in items)  # noqa: E731
+    target = ScriptedTimedTarget(pieces, script, scripted_clock, dear)
     spec = SpeculativeEngine(target, c, 8).generate([2, 3, 4], max_tokens=300)
-    plain = SpeculativeEngine(Dear(pieces, script, n_prompt=3), NoDrafter(), 0).generate([2, 3, 4], max_tokens=300)
+    plain = SpeculativeEngine(ScriptedTimedTarget(pieces, script, scripted_clock, dear), NoDrafter(), 0).generate(
+        [2, 3, 4], max_tokens=300)
     assert spec.token_ids == plain.token_ids
     # Without the guard all 300 steps would verify 9 tokens for one (9x plain's time). With it,
     # drafting stops after 4 steps behind, for 16, 32, 64, ... steps: a few dozen drafting steps.
@@ -426,8 +436,8 @@ def test_the_guard_on_an_engine_whose_verification_is_dear(scripted_clock):
 def test_a_draft_model_that_drafts_nothing_is_counted_as_speculation(scripted_clock):
     """A draft model whose every proposal costs 20 ms on the scripted clock and comes back empty
     (a draft across tokenizers whose text held no whole token): the guard counts that time as
-    speculation that gained nothing and stops it, so the generation stays near plain speed (before, each step paid the draft and the guard saw only
-    plain steps)."""
+    speculation that gained nothing and stops it, so the generation stays near plain speed
+    (before, each step paid the draft and the guard saw only plain steps)."""
 
     class Empty(IncrementalDrafter):
         name = "empty model"
@@ -444,17 +454,13 @@ def test_a_draft_model_that_drafts_nothing_is_counted_as_speculation(scripted_cl
         def set_continuation_rule(self, rule):
             pass
 
-    class Timed(ScriptedBackend):
-        def forward_batch(self, items):
-            scripted_clock.advance(0.010)
-            return super().forward_batch(items)
-
     script = [5 + i % 7 for i in range(200)]
     pieces = [b"<eos>"] + [bytes([65 + i]) for i in range(15)]
     drafter = Empty()
     src = Source(drafter, 0.001, estimator=AcceptanceEstimator(prior_alpha=0.9))
     c = SpeculationController([src], CostCurve((1, 9), (0.010, 0.011)), kmax=8)
-    r = SpeculativeEngine(Timed(pieces, script, n_prompt=3), c, 8).generate([2, 3, 4], max_tokens=200)
+    target = ScriptedTimedTarget(pieces, script, scripted_clock, lambda items: 0.010)
+    r = SpeculativeEngine(target, c, 8).generate([2, 3, 4], max_tokens=200)
     assert r.token_ids == script[:200]
     assert c.guard.stops >= 1
     assert drafter.calls <= 40  # of 199 steps; every one without the guard's count
@@ -466,14 +472,9 @@ def test_the_guard_does_not_slow_an_oracle_drafter(scripted_clock):
     and every draft right: the guard never stops drafting; it only times a few plain steps
     as its reference."""
 
-    class Flat(ScriptedBackend):
-        def forward_batch(self, items):
-            scripted_clock.advance(0.002)
-            return super().forward_batch(items)
-
     script = [5 + i % 7 for i in range(100)]
     pieces = [b"<eos>"] + [bytes([65 + i]) for i in range(15)]
-    target = Flat(pieces, script, n_prompt=3)
+    target = ScriptedTimedTarget(pieces, script, scripted_clock, lambda items: 0.002)
     src = Source(OracleDrafter(target), 0.0, estimator=AcceptanceEstimator(prior_alpha=0.99, prior_weight=1e9))
     c = SpeculationController([src], CostCurve((1, 9), (0.01, 0.012)), kmax=8)
     r = SpeculativeEngine(target, c, 8).generate([2, 3, 4], max_tokens=100)
