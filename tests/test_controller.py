@@ -229,9 +229,9 @@ def test_a_draft_model_that_pays_catches_up_once():
 
 
 def test_a_drafter_silenced_by_early_rejections_is_tried_again_when_its_prior_pays(monkeypatch):
-    import specdecode.control.controller as controller
+    import specdecode.control.sources as sources
 
-    monkeypatch.setattr(controller, "COST_EMA", 0.0)  # keep the stated draft cost (no timing)
+    monkeypatch.setattr(sources, "COST_EMA", 0.0)  # keep the stated draft cost (no timing)
     cheap = CostCurve(tuple(range(1, 10)), (0.2,) * 9)  # verification free, drafts 0.3 of a step
     c = SpeculationController([Source(FixedDrafter(7), 0.06)], cheap, kmax=8, probe_every=1000)
     c.start([1, 2, 3], Sampler(SamplingParams()))

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from .costmodel import CostCurve, ObservedCurve, choose_k, expected_tokens_upto
-from ..drafters.base import (ContinuationRule, Draft, Drafter, DraftingRequest, HiddenStateDrafter, IncrementalDrafter,
+from ..drafters.base import (Draft, Drafter, DraftingRequest, HiddenStateDrafter, IncrementalDrafter,
                              StepOutcome)
 from .guard import SpeedGuard
 from .estimators import AcceptanceEstimator, FeatureEstimator, StepFeatures, TwoRateEstimator
@@ -39,7 +39,7 @@ from .sources import Plan, SharedCosts, Source, SourceSet
 from .tree_plan import shape_tree, tree_depth
 from .planner import DraftOffer, PlannedDrafter
 from .report import GenerationBooks
-from ..limits import AUTO_KMAX, CATCH_UP_HORIZON, CONFIRM_BLOCK, COST_EMA, NEW_TEXT_KEEP
+from ..limits import AUTO_KMAX, CATCH_UP_HORIZON, CONFIRM_BLOCK, NEW_TEXT_KEEP
 from ..sampling import Sampler
 
 
@@ -102,7 +102,7 @@ class SpeculationController(PlannedDrafter):
         for s in self.sources:
             s.probe_gap = probe_every
             if isinstance(s.drafter, IncrementalDrafter):
-                s.drafter.set_continuation_rule(self._continuation_rule(s))
+                s.drafter.set_continuation_rule(s.continuation_rule(lambda: self._T))
         self._last: Source | None = None
         self._last_est: AcceptanceEstimator | FeatureEstimator | TwoRateEstimator | None = None
         self._last_k, self._last_probe, self._last_rows = 0, False, 1  # K: a tree's first path
@@ -137,7 +137,8 @@ class SpeculationController(PlannedDrafter):
         """A controller for another concurrent generation: its drafters forked onto sequence
         seq, the same measured costs (the target's curve and each drafter's cost per token
         to start from), its own acceptance estimates (from the priors)."""
-        sources = [Source(s.drafter.fork(seq), s.draft_cost, prefill_cost=s.prefill_cost) for s in self.sources]
+        sources = [Source(s.drafter.fork(seq), s.draft_cost, prefill_cost=s.prefill_cost, step_cost=s.step_cost)
+                   for s in self.sources]
         return SpeculationController(sources, self._base_cost, kmax=self.kmax, probe_every=self.probe_every,
                                      max_probe_gap=self.max_probe_gap, shared=self._costs,
                                      explore_every=self.explore_every)
@@ -194,7 +195,8 @@ class SpeculationController(PlannedDrafter):
              estimator: AcceptanceEstimator | FeatureEstimator | TwoRateEstimator | None = None) -> tuple[int, float]:
         """Best K (0..cap) for this source and its expected rate (tokens per second).
 
-        extra: one-off seconds this step would cost on top (a draft model's catch-up).
+        extra: one-off seconds this step would cost on top (a draft model's catch-up); a
+        drafting step also pays the source's ``step_cost``.
         alpha: a per-token acceptance to plan with (Eq. 1); else the estimator's expectation
         (default: the source's overall estimator).
         """
@@ -203,7 +205,7 @@ class SpeculationController(PlannedDrafter):
             return 0, 1.0 / self._T[1]
         est = source.estimator if estimator is None else estimator
         E = expected_tokens_upto(alpha, K) if alpha is not None else est.expected_upto(K)  # [K+1]
-        return choose_k(E, source.draft_cost, self._T, extra)
+        return choose_k(E, source.draft_cost, self._T, extra + source.step_cost)
 
     @property
     def confidence(self) -> float:
@@ -323,7 +325,8 @@ class SpeculationController(PlannedDrafter):
             if draft.token_ids:
                 # The measured one-token forward underestimates what drafting really costs (sampling, Python):
                 # follow the observed cost, per level drafted (a tree's depth).
-                s.draft_cost += 0.0 if behind else COST_EMA * (drafted_s / max(levels, 1) - s.draft_cost)
+                if not behind:
+                    s.observe_draft(levels, drafted_s)
                 self._last, self._last_est, self._last_k, self._last_probe = s, plan.estimator, first, plan.probe
                 self._last_rows = len(draft.token_ids) + 1  # verified rows (a tree's nodes, the root)
                 self._plain_streak = 0
@@ -336,17 +339,6 @@ class SpeculationController(PlannedDrafter):
             if s.bands is None:  # per-kind n-gram estimates keep their evidence (priors are measured)
                 s.estimator.relax()
         return Draft([])
-
-    def _continuation_rule(self, source: Source) -> ContinuationRule:
-        """Draft token i+1 only while its chance of being accepted (the product of the draft
-        model's own top probabilities so far) times the time one plain step takes exceeds
-        what drafting it and verifying one more position cost."""
-        def keep(i: int, p_cum: float) -> bool:
-            T = self._T
-            marginal = source.draft_cost + T[min(i + 2, len(T) - 1)] - T[i + 1]
-            return p_cum * T[1] >= marginal
-
-        return keep
 
     def observe(self, outcome: StepOutcome) -> None:
         """The step's outcome: its timing (the batch's first generation only) into T(n) and the

@@ -118,6 +118,11 @@ class TwoRateEstimator:
         self.first.fade(keep)
         self.then.fade(keep)
 
+    def relax(self) -> None:
+        """One step without evidence: both rates fade toward their priors by ``decay``
+        (:meth:`AcceptanceEstimator.relax`)."""
+        self.fade(self.decay)
+
     def fresh(self) -> "TwoRateEstimator":
         """A new estimator with this one's priors (what this kind of draft is worth before
         any observation)."""

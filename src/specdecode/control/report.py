@@ -57,6 +57,10 @@ class GenerationBooks:
                     parts.append(f"{s.label} not used: it costs {ratio:.2f} of a target step on this machine, "
                                  "so it cannot pay even if every draft is accepted")
                 else:
-                    parts.append(f"{s.label} not used: at its estimated acceptance {s.estimator.alpha:.2f} it does "
-                                 f"not pay (it costs {ratio:.2f} of a target step)")
+                    then = getattr(s.estimator, "then", None)  # a TwoRateEstimator: first token, later ones
+                    rates = f"{s.estimator.alpha:.2f}" + (f" (first token; {then.alpha:.2f} each later one)"
+                                                          if then is not None else "")
+                    step = f" and {s.step_cost / step_cost_s:.2f} a drafting step" if s.step_cost else ""
+                    parts.append(f"{s.label} not used: at its estimated acceptance {rates} it does "
+                                 f"not pay (it costs {ratio:.2f} of a target step a token{step})")
         return "; ".join(parts + [p for p in notes if p])

@@ -14,9 +14,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..drafters.base import Drafter, DraftingRequest, IncrementalDrafter, LookupDrafter
+from ..drafters.base import ContinuationRule, Drafter, DraftingRequest, IncrementalDrafter, LookupDrafter
 from ..errors import SpecDecodeError
-from .costmodel import CostCurve, ObservedCurve, curve_table
+from ..limits import COST_EMA
+from .costmodel import CostCurve, DraftStepCost, ObservedCurve, curve_table
 from .tree_plan import TreeCalibration
 from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, LogisticAcceptance, StepFeatures,
                          TwoRateEstimator, match_band)
@@ -143,21 +144,37 @@ class CostsAt(NamedTuple):
 @dataclass
 class Source:
     """One drafter the controller may use, with its cost per drafted token (seconds): the
-    measured value to start with, then an exponential average of what proposals cost."""
+    measured value to start with, then an exponential average of what proposals cost; for a
+    draft model (an IncrementalDrafter) the slope of the line its proposals are fitted to
+    (:class:`.costmodel.DraftStepCost`), and ``step_cost`` the line's fixed part, paid by every
+    drafting step.
+
+    estimator: its acceptance, by default one rate (Eq. 1), or for a drafter with
+    ``acceptance_priors`` (first, then) a :class:`TwoRateEstimator` from those priors: a draft
+    whose first token is the uncertain one is planned with the positional form, so that steps
+    of one drafted token (all a one-rate estimate at a middling acceptance pays for) do not
+    hide that later tokens are accepted more often."""
 
     drafter: Drafter
     draft_cost: float
-    estimator: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    estimator: AcceptanceEstimator | TwoRateEstimator = None  # type: ignore[assignment]  # set in __post_init__
     probe_gap: int = 0  # plain steps before the next probe; set by the controller
     prefill_cost: float = 0.0  # seconds per token for a draft model to catch up on skipped text
+    step_cost: float = 0.0  # seconds every drafting step costs besides draft_cost per token
     # For a LookupDrafter (prompt lookup, suffix): one
     # acceptance estimate per kind of match, (band index, unique), used instead of ``estimator``,
     # and the logistic model that conditions it on the step's features (``model``).
     bands: dict[tuple[int, bool], TwoRateEstimator] | None = None
     model: LogisticAcceptance | None = None
     tree_calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree drafter's probabilities
+    cost_fit: DraftStepCost | None = None  # a draft model's step cost line, fitted as it drafts
 
     def __post_init__(self) -> None:
+        if self.cost_fit is None and isinstance(self.drafter, IncrementalDrafter):
+            self.cost_fit = DraftStepCost(self.draft_cost, self.step_cost)
+        if self.estimator is None:
+            priors = getattr(self.drafter, "acceptance_priors", None)
+            self.estimator = TwoRateEstimator(*priors) if priors else AcceptanceEstimator()
         if self.bands is None and isinstance(self.drafter, LookupDrafter):
             self.bands = {(i, u): TwoRateEstimator(a1, a)
                           for u, priors in (getattr(self.drafter, "match_priors", None) or MATCH_PRIORS).items()
@@ -182,6 +199,27 @@ class Source:
         features = StepFeatures(match.length, match.unique, k.prev_full, k.run, k.confidence)
         return (FeatureEstimator(self.bands[match_band(match.length), match.unique], self.model, features),
                 self.drafter.available(context))
+
+    def observe_draft(self, levels: int, seconds: float) -> None:
+        """A proposal drafted ``levels`` tokens (a tree: its depth) in ``seconds``: the cost per
+        token follows it (an exponential average; a draft model's line, refitted)."""
+        if self.cost_fit is None:
+            self.draft_cost += COST_EMA * (seconds / max(levels, 1) - self.draft_cost)
+        else:
+            self.cost_fit.observe(max(levels, 1), seconds)
+            self.draft_cost, self.step_cost = self.cost_fit.per_token, self.cost_fit.step
+
+    def continuation_rule(self, table: Callable[[], np.ndarray]) -> ContinuationRule:
+        """A draft model's rule (its ``keep_drafting``): draft token i+1 only while its chance
+        of being accepted (the product of the draft model's own top probabilities so far) times
+        the time one plain step takes exceeds what drafting it and verifying one more position
+        cost. table(): the target's T[0..n] as now planned with."""
+        def keep(i: int, p_cum: float) -> bool:
+            T = table()
+            marginal = self.draft_cost + T[min(i + 2, len(T) - 1)] - T[i + 1]
+            return p_cum * T[1] >= marginal
+
+        return keep
 
     def catch_up(self, context: Sequence[int]) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
