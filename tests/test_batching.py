@@ -244,6 +244,9 @@ def test_the_batch_planner_fills_the_forward_to_the_sizes_the_curve_rewards():
     assert all(k[i] > k[i + 1] for i in range(0, 8, 2)) and sum(k) <= 8 + 1
     # Drafting cost counts: drafts that cost more than they save are not made.
     assert allocate_drafts(half * 8, [0.05] * 8, 8, 8.0, costs.upto) == [0] * 8
+    # So does a draft model's fixed part per drafting step, charged once per generation that drafts.
+    assert allocate_drafts(half * 8, [1e-5] * 8, 8, 8.0, costs.upto, [0.05] * 8) == [0] * 8
+    assert allocate_drafts(half * 8, [1e-5] * 8, 8, 8.0, costs.upto, [1e-4] * 8) == [1] * 8
 
 
 def test_the_engine_plans_the_batch_through_the_controllers_offers():

@@ -279,7 +279,7 @@ class SpeculationController(PlannedDrafter):
         best = max(plans, key=lambda p: (p.k > 0, p.rate if p.k > 0 else p.estimator.expected(1)))
         self._offered = best
         return DraftOffer(best.estimator.expected_upto(best.cap), best.source.draft_cost,
-                          self._costs.at(len(context)))
+                          self._costs.at(len(context)), best.source.step_cost)
 
     def set_quota(self, k: int | None) -> None:
         """The batch planner's K for the next proposal (with the drafter of the last offer);

@@ -330,14 +330,17 @@ def curve_table(curve: CostCurve, n_max: int) -> np.ndarray:
 
 
 def allocate_drafts(gains: Sequence[Sequence[float]], costs: Sequence[float], base_tokens: int,
-                    base_expected: float, table: Callable[[int], np.ndarray]) -> list[int]:
+                    base_expected: float, table: Callable[[int], np.ndarray],
+                    step_costs: Sequence[float] | None = None) -> list[int]:
     """K for each generation of a batched step, chosen together (continuous batching).
 
     gains[i]: [cap_i] marginal expected committed tokens of generation i's 1st, 2nd, ...
     drafted token (E_i(j) - E_i(j-1); non-increasing, as under Eq. 1). costs[i]: its seconds
     per drafted token. base_tokens: tokens the forward holds without these drafts (each
     generation's last committed token, plus drafts fixed elsewhere); base_expected: the
-    tokens they commit. table(n): T[0..>=n], the target's forward seconds.
+    tokens they commit. table(n): T[0..>=n], the target's forward seconds. step_costs[i]: the
+    seconds generation i's drafting step costs besides its per-token cost (a draft model's
+    fixed part, :class:`DraftStepCost`), charged to its first drafted token; default none.
 
     Drafts are taken in order of marginal gain across all generations (optimal for each
     total when the gains are non-increasing), and the total n maximizes
@@ -345,7 +348,9 @@ def allocate_drafts(gains: Sequence[Sequence[float]], costs: Sequence[float], ba
     a non-convex T(n) (a batch that fills a kernel tile) is handled exactly. Returns
     [len(gains)] K_i.
     """
-    items = [(float(g), float(c), i) for i, (gs, c) in enumerate(zip(gains, costs)) for g in gs]
+    steps = step_costs if step_costs is not None else [0.0] * len(gains)
+    items = [(float(g), float(c) + (float(steps[i]) if j == 0 else 0.0), i)
+             for i, (gs, c) in enumerate(zip(gains, costs)) for j, g in enumerate(gs)]
     order = sorted(range(len(items)), key=lambda j: -items[j][0])  # stable: a generation's drafts stay in order
     n = len(order)
     if n == 0:

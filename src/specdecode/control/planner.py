@@ -29,7 +29,8 @@ class DraftOffer:
     """What a cost-aware drafter expects of drafting after a context, for the batch planner.
 
     expected: [K+1] expected committed tokens of a step drafting k = 0..K (expected[0] = 1;
-    non-decreasing, with non-increasing increments). cost_s: seconds per drafted token.
+    non-decreasing, with non-increasing increments). cost_s: seconds per drafted token; step_s:
+    seconds a drafting step costs besides (a draft model's fixed part).
     costs: the target's T(n) at this generation's context (:class:`.sources.CostsAt`: ``upto(n)`` ->
     T[0..>=n] seconds; ``upto(n, context)`` at another context).
     """
@@ -37,6 +38,7 @@ class DraftOffer:
     expected: np.ndarray
     cost_s: float
     costs: Any
+    step_s: float = 0.0
 
 
 class PlannedDrafter(DrafterBase):
@@ -80,7 +82,7 @@ def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], c
     context = int(np.mean([len(c) for c in contexts]))  # the rows' extra cost: as if all were at the mean context
     costs = offers[planned[0]].costs
     quotas = allocate_drafts(gains, [offers[i].cost_s for i in planned], fixed, float(len(drafters)),
-                             lambda n: costs.upto(n, context))
+                             lambda n: costs.upto(n, context), [offers[i].step_s for i in planned])
     for i, q in zip(planned, quotas):
         drafters[i].set_quota(q)
 
