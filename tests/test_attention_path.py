@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdecode.cli import _stats_block
 from specdecode.control.attention import choose_attention, resolve_attention
 from specdecode.control.context_costs import ContextCosts, context_cache_path, read_cached_context_costs
 from specdecode.drafters import NgramDrafter
@@ -174,6 +175,8 @@ def test_a_seed_stays_exact_where_specdecode_chose_flash_attention_off():
         t.attention_chosen = chosen
         eng = SpeculativeEngine(t, OracleDrafter(t), 4, invariance=lambda target, seq: 1)
         r = eng.generate([1, 2, 3], sampling=SamplingParams(temperature=0.7, seed=5), max_tokens=8)
-        blocks[chosen] = (r.stats.drafted, max(t.forward_calls[1:]), t.invariant_mode)
-    assert blocks[True] == (0, 1, False)  # plain one-token steps, at every thread
-    assert blocks[False][0] > 0 and blocks[False][1] > 1  # verified as usual: blocks of drafts
+        blocks[chosen] = (r.stats.drafted, max(t.forward_calls[1:]), t.invariant_mode, r.stats.invariant_block)
+        said = _stats_block("speculative", r.stats.to_dict())
+        assert ("batch-invariant: decoded without drafts" in said) == chosen  # the statistics say why no drafts
+    assert blocks[True] == (0, 1, False, 1)  # plain one-token steps, at every thread
+    assert blocks[False][0] > 0 and blocks[False][1] > 1 and blocks[False][3] == 0  # verified as usual: blocks of drafts

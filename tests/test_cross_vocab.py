@@ -441,3 +441,16 @@ def test_a_fork_drafts_on_its_own_sequence_with_a_mirror_of_its_own(pair):
     assert twin.backend is drafter.backend and twin._mirror is not drafter._mirror and not twin._owner
     twin.close()
     assert models["few"].tokenize("a", add_special=False)  # the twin did not close the model it shares
+
+
+def test_an_output_subset_across_tokenizers_is_refused_naming_draft_vocab():
+    """--draft-vocab N (an output subset of the draft's ids) needs the target's tokenizer: a draft
+    of another is refused saying so, before any backend's subset support is asked about."""
+    from specdecode.drafters.kinds import MODEL, DraftRequest
+
+    target, draft = TextModel(TARGET_PIECES, "target"), TextModel(DRAFT_PIECES, "draft")
+    with pytest.raises(IncompatibleVocabularyError, match=r"draft_vocab = 8 \(an output subset\) needs a draft model "
+                                                          r"of the target's tokenizer: .*drafts across tokenizers") as e:
+        MODEL.build(DraftRequest(target, "draft", lambda name: draft, 8))
+    assert e.value.param == "draft_vocab"
+    assert isinstance(MODEL.build(DraftRequest(target, "draft", lambda name: draft, 0)), CrossVocabDrafter)

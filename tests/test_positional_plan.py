@@ -141,3 +141,21 @@ def test_the_explanation_names_both_rates_of_a_drafter_that_does_not_pay():
     c.start([1, 2, 3], Sampler(SamplingParams()))
     assert c.propose([1, 2, 3], 8).token_ids == []  # at 0.6 and 0.75 no K pays; with all accepted K = 4 would
     assert "at its estimated acceptance 0.60 (first token; 0.75 each later one) it does not pay" in c.explain()
+
+
+def test_each_method_of_a_drafter_is_planned_from_its_own_priors_and_keeps_its_own_evidence():
+    """A draft model across tokenizers runs SLEM for greedy generations and TLI for sampled ones:
+    a sampled generation is planned from TLI's priors, and each method's estimate is its own."""
+    slem, tli = CrossVocabDrafter.ACCEPTANCE_PRIORS["slem"], CrossVocabDrafter.ACCEPTANCE_PRIORS["tli"]
+    drafter = TimedDraftModel(Clock(), slem)
+    c = SpeculationController([Source(drafter, FORWARD)], FLAT, kmax=8)
+    s = c.sources[0]
+    c.start([1, 2, 3], Sampler(SamplingParams()))
+    s.estimator.update(4, 4)
+    learned = s.estimator.first.alpha
+    drafter.acceptance_priors = tli  # what CrossVocabDrafter.start says for a sampled generation
+    c.start([1, 2, 3], Sampler(SamplingParams(temperature=0.8)))
+    assert (s.estimator.prior_first, s.estimator.prior_then) == tli and s.estimator.first.alpha == pytest.approx(tli[0])
+    drafter.acceptance_priors = slem
+    c.start([1, 2, 3], Sampler(SamplingParams()))
+    assert s.estimator.first.alpha == pytest.approx(learned)  # SLEM's evidence kept

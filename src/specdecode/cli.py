@@ -51,7 +51,11 @@ def _stats_block(label: str, stats: dict) -> str:
         n = stats["tree_steps"]
         lines.append(f"trees: {n} tree steps of {stats.get('tree_nodes', 0) / n:.1f} nodes, "
                      f"{stats.get('tree_accepted', 0) / n:.2f} accepted per step; accepted nodes by sibling rank: {ranks}")
-    if stats.get("invariant_block"):
+    if stats.get("invariant_block") == 1:
+        lines.append("batch-invariant: decoded without drafts: on this machine's attention path (flash attention off, "
+                     "chosen by measurement) no forward of 2+ tokens gives the logits of one-token steps, so drafts "
+                     "could change a seeded sample; --batch-invariant off speculates as usual")
+    elif stats.get("invariant_block"):
         lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
                      "equal one-token steps on this machine, so K and the drafter cannot change the text")
     if stats.get("weights"):

@@ -30,7 +30,8 @@ class Stats:
     controller_note: what the cost-aware controller chose and why, in one line ("" when
         the drafter has nothing to say).
     invariant_block: 0, or for a batch-invariant generation the most tokens one of its
-        verifications held (the target's measured invariant_block).
+        verifications held (the target's measured invariant_block); 1 for a seeded generation
+        decoded in plain one-token steps where no block of 2+ tokens is invariant.
     weights: where the target's weights live (llama.cpp: the buffer choice and its buffer
         types with their MiB, "repack (CPU_Mapped 1060 MiB, CPU_REPACK 597 MiB)"); "" elsewhere.
     draft, num_speculative_tokens, max_tree_nodes, strict: what the generation ran with, as

@@ -152,6 +152,7 @@ class SpeculationController(PlannedDrafter):
         self.choice.restrict(None)
         for s in self.sources:
             s.drafter.start(prompt_ids, sampler)
+            s.follow_priors()
             s.probe_gap = self.probe_every
             for rates in (s.bands or {}).values():
                 rates.fade(NEW_TEXT_KEEP)

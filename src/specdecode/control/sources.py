@@ -168,6 +168,7 @@ class Source:
     model: LogisticAcceptance | None = None
     tree_calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree drafter's probabilities
     cost_fit: DraftStepCost | None = None  # a draft model's step cost line, fitted as it drafts
+    rates: dict[tuple[float, float], TwoRateEstimator] = field(default_factory=dict)  # by priors: per method
 
     def __post_init__(self) -> None:
         if self.cost_fit is None and isinstance(self.drafter, IncrementalDrafter):
@@ -199,6 +200,17 @@ class Source:
         features = StepFeatures(match.length, match.unique, k.prev_full, k.run, k.confidence)
         return (FeatureEstimator(self.bands[match_band(match.length), match.unique], self.model, features),
                 self.drafter.available(context))
+
+    def follow_priors(self) -> None:
+        """At a generation's start: a drafter whose ``acceptance_priors`` follow the generation (a
+        draft model across tokenizers runs SLEM for greedy generations, TLI for sampled ones) is
+        planned with that method's own estimate, kept apart from the other's."""
+        priors = getattr(self.drafter, "acceptance_priors", None)
+        est = self.estimator
+        if not priors or not isinstance(est, TwoRateEstimator) or (est.prior_first, est.prior_then) == tuple(priors):
+            return
+        self.rates[(est.prior_first, est.prior_then)] = est
+        self.estimator = self.rates.get(tuple(priors)) or TwoRateEstimator(*priors)
 
     def observe_draft(self, levels: int, seconds: float) -> None:
         """A proposal drafted ``levels`` tokens (a tree: its depth) in ``seconds``: the cost per

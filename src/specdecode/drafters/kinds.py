@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..errors import IncompatibleVocabularyError, SpecDecodeError
 from ..limits import AUTO_KMAX, DRAFT_VOCAB_METHODS, check_num_speculative_tokens
+from ..backends.vocab import check_vocab_compatible
 from .base import Drafter, DraftingRequest, NoDrafter
 from .cross_vocab import CrossVocabDrafter
 from .heads import load_heads_drafter
@@ -102,6 +103,14 @@ def _model(req: DraftRequest) -> Drafter:
     backend = req.load_model(req.arg)
     method = req.draft_vocab if req.draft_vocab in DRAFT_VOCAB_METHODS else "auto"
     try:
+        if method == "auto" and int(req.draft_vocab) > 0 and req.target is not None:
+            try:  # before the output-subset check: across tokenizers no backend would serve it
+                check_vocab_compatible(backend, req.target)
+            except IncompatibleVocabularyError as e:
+                raise IncompatibleVocabularyError(
+                    f"draft_vocab = {req.draft_vocab} (an output subset) needs a draft model of the target's tokenizer: "
+                    f"{e}; without it (or with slem|tli) {backend.name} drafts across tokenizers",
+                    param="draft_vocab") from None
         try:
             return ModelDrafter(backend, target=req.target, vocab_subset=0 if method != "auto" else int(req.draft_vocab))
         except IncompatibleVocabularyError:

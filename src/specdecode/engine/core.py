@@ -143,9 +143,10 @@ class SpeculativeEngine:
             # specdecode itself chose that path (flash attention off by measurement): then plain
             # steps, so that a seed's promise is not broken by a choice the user did not make.
             gen.invariant = block >= 2 or options.batch_invariant == "on"
-            if not gen.invariant and getattr(self.target, "attention_chosen", False):
+            plain = not gen.invariant and getattr(self.target, "attention_chosen", False)
+            if plain:
                 gen.k, gen.drafter = 0, self._plain
-            out.stats.invariant_block = block if gen.invariant else 0
+            out.stats.invariant_block = block if gen.invariant else 1 if plain else 0  # 1: plain steps
         if gen.invariant:
             where.forget()  # no reuse: the prompt is prefilled as a fresh start would
         self.forwards.set_invariant(gen.invariant)
