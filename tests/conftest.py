@@ -189,3 +189,19 @@ class WrongDrafter(DrafterBase):
 
     def finish(self, committed):
         pass
+
+
+class ScriptedClock:
+    """time.perf_counter for one test: it stands still but when a fake backend's forward
+    advances it by that forward's scripted cost, so that the step times the engine hands the
+    controller and its guard are the script's, whatever the machine's load (drafting and the
+    engine's own Python take no time on it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -20,7 +20,7 @@ from specdecode.drafters import Draft, DrafterBase, IncrementalDrafter, NoDrafte
 from specdecode.drafters.base import LookupDrafter, Match
 from specdecode.engine import SpeculativeEngine
 
-from conftest import OracleDrafter, ScriptedBackend, step_outcome
+from conftest import OracleDrafter, ScriptedBackend, ScriptedClock, step_outcome
 
 # What an idle AVX2 machine measured for the 1.5B target (ms), as a function of n.
 IDLE_MS = {1: 48, 2: 78, 3: 100, 4: 122, 5: 140, 6: 160, 7: 178, 8: 196, 9: 214, 12: 290, 16: 419, 24: 640,
@@ -65,22 +65,6 @@ class ClockedTarget:
 
     def rollback(self, n, seq=0):
         pass
-
-
-class ScriptedClock:
-    """time.perf_counter for one test: it stands still but when a fake backend's forward
-    advances it by that forward's scripted cost, so that the step times the engine hands the
-    controller and its guard are the script's, whatever the machine's load (drafting and the
-    engine's own Python take no time on it)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from specdecode.drafters.base import IncrementalDrafter
 from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.sampling import Sampler, SamplingParams
 
-from conftest import step_outcome
+from conftest import ScriptedClock, step_outcome
 
 # Torch bf16 on a CPU with AVX-512 BF16 (Zen 4), seconds: T(1..5) measured, then a slow rise.
 FLAT = CostCurve(tuple(range(1, 34)), (0.231, 0.194, 0.189, 0.203, 0.213)
@@ -30,25 +30,17 @@ FORWARD = 0.042
 STEP = 2 * FORWARD
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class TimedDraft(DrafterBase):
     """Drafts k tokens in STEP + k FORWARD seconds of the scripted clock."""
 
     name = "model"
 
-    def __init__(self, clock: Clock, priors: tuple[float, float] | None) -> None:
+    def __init__(self, clock: ScriptedClock, priors: tuple[float, float] | None) -> None:
         self.clock = clock
         self.acceptance_priors = priors
 
     def propose(self, context, k):
-        self.clock.now += STEP + FORWARD * k
+        self.clock.advance(STEP + FORWARD * k)
         return Draft([7] * k)
 
 
@@ -65,7 +57,7 @@ class TimedDraftModel(TimedDraft, IncrementalDrafter):
 def run(monkeypatch, model=True, priors=CrossVocabDrafter.ACCEPTANCE_PRIORS["slem"], first=0.7, then=0.9,
         steps=150, seed=0):
     """Tokens per second over the scripted steps, and the Ks drafted."""
-    clock = Clock()
+    clock = ScriptedClock()
     monkeypatch.setattr(time, "perf_counter", clock)
     drafter = (TimedDraftModel if model else TimedDraft)(clock, priors)
     c = SpeculationController([Source(drafter, FORWARD)], FLAT, kmax=32)
@@ -79,7 +71,7 @@ def run(monkeypatch, model=True, priors=CrossVocabDrafter.ACCEPTANCE_PRIORS["sle
         while n < k and rng.random() < (first if n == 0 else then):
             n += 1
         t = FLAT(k + 1)
-        clock.now += t
+        clock.advance(t)
         c.observe(step_outcome(n, verified=k + 1, seconds=t, drafted=k))
         tokens, seconds = tokens + n + 1, seconds + clock.now - before
         ks.append(k)
@@ -87,7 +79,7 @@ def run(monkeypatch, model=True, priors=CrossVocabDrafter.ACCEPTANCE_PRIORS["sle
 
 
 def test_a_drafter_with_acceptance_priors_is_planned_with_two_rates_and_a_draft_model_with_a_cost_line():
-    clock = Clock()
+    clock = ScriptedClock()
     assert isinstance(Source(TimedDraft(clock, (0.6, 0.75)), 0.0).estimator, TwoRateEstimator)
     assert type(Source(TimedDraft(clock, None), 0.0).estimator) is AcceptanceEstimator
     assert Source(TimedDraft(clock, None), 0.0).cost_fit is None
@@ -137,7 +129,7 @@ def test_two_rates_relax_toward_their_priors():
 
 def test_the_explanation_names_both_rates_of_a_drafter_that_does_not_pay():
     steep = CostCurve(tuple(range(1, 34)), tuple(0.03 + 0.02 * (n - 1) for n in range(1, 34)))
-    c = SpeculationController([Source(TimedDraftModel(Clock(), (0.6, 0.75)), 0.003)], steep, kmax=8)
+    c = SpeculationController([Source(TimedDraftModel(ScriptedClock(), (0.6, 0.75)), 0.003)], steep, kmax=8)
     c.start([1, 2, 3], Sampler(SamplingParams()))
     assert c.propose([1, 2, 3], 8).token_ids == []  # at 0.6 and 0.75 no K pays; with all accepted K = 4 would
     assert "at its estimated acceptance 0.60 (first token; 0.75 each later one) it does not pay" in c.explain()
@@ -147,7 +139,7 @@ def test_each_method_of_a_drafter_is_planned_from_its_own_priors_and_keeps_its_o
     """A draft model across tokenizers runs SLEM for greedy generations and TLI for sampled ones:
     a sampled generation is planned from TLI's priors, and each method's estimate is its own."""
     slem, tli = CrossVocabDrafter.ACCEPTANCE_PRIORS["slem"], CrossVocabDrafter.ACCEPTANCE_PRIORS["tli"]
-    drafter = TimedDraftModel(Clock(), slem)
+    drafter = TimedDraftModel(ScriptedClock(), slem)
     c = SpeculationController([Source(drafter, FORWARD)], FLAT, kmax=8)
     s = c.sources[0]
     c.start([1, 2, 3], Sampler(SamplingParams()))

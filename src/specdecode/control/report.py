@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
+from .estimators import TwoRateEstimator
 from .sources import Source, SourceSet
 
 
@@ -57,9 +58,9 @@ class GenerationBooks:
                     parts.append(f"{s.label} not used: it costs {ratio:.2f} of a target step on this machine, "
                                  "so it cannot pay even if every draft is accepted")
                 else:
-                    then = getattr(s.estimator, "then", None)  # a TwoRateEstimator: first token, later ones
-                    rates = f"{s.estimator.alpha:.2f}" + (f" (first token; {then.alpha:.2f} each later one)"
-                                                          if then is not None else "")
+                    est = s.estimator
+                    rates = f"{est.alpha:.2f}" + (f" (first token; {est.then.alpha:.2f} each later one)"
+                                                  if isinstance(est, TwoRateEstimator) else "")
                     step = f" and {s.step_cost / step_cost_s:.2f} a drafting step" if s.step_cost else ""
                     parts.append(f"{s.label} not used: at its estimated acceptance {rates} it does "
                                  f"not pay (it costs {ratio:.2f} of a target step a token{step})")
