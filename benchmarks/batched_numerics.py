@@ -31,7 +31,7 @@ through the backend's constructor.
 
 Configs (CONFIGS below) are changes from the backend's defaults: flash attention auto
 (= on for CPU), n_batch = n_ubatch = 512, kv_unified on, weights' buffers per
-specdecode.backends.llama_buffers, threads = the cores this process may use.
+specdecode.backends.llama_cpp.buffers, threads = the cores this process may use.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import numpy as np
 OUT_DIR = Path(__file__).parent / "results" / "batched_numerics"
 
 # "default" is the backend as shipped (flash attention auto = on, n_batch = n_ubatch = 512,
-# kv_unified, buffers per llama_buffers.resolve_buffers, threads = the cores this process may use,
+# kv_unified, buffers per llama_cpp.buffers.resolve_buffers, threads = the cores this process may use,
 # 2 here). Every other config runs with 1 thread unless it says otherwise: on the 2 shared
 # cores of this machine, with other processes running, 2 ggml threads spin-wait for each
 # other and a one-token forward of smollm2 took 0.06-1.5 s instead of 0.006 s.

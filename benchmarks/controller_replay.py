@@ -29,6 +29,7 @@ import numpy as np
 
 from specdecode.api import Decoder
 from specdecode.assembly import registry
+from specdecode.backends import BackendBase
 from specdecode.bench import load_prompts, lookup_drafters, oracle_replay, select_prompts
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.costmodel import ObservedCurve
@@ -37,7 +38,7 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.limits import MAX_NUM_SPECULATIVE_TOKENS
 
 
-class ReplayTarget:
+class ReplayTarget(BackendBase):
     """A target whose greedy continuation of ``prompt`` is ``output`` (token ids), with the
     top-1 probability of output[i] = probs[i]; each forward of n tokens after c cached ones
     advances ``now`` by T(n) + extra(n, c) (``cost(n, c)``, seconds). The first forward (the
@@ -45,7 +46,6 @@ class ReplayTarget:
 
     name = "replay"
     path = None
-    cost_key = ""
     n_threads = 1
     device = "cpu"
     invariant_block = None
@@ -53,8 +53,6 @@ class ReplayTarget:
 
     def __init__(self, like, prompt: list[int], output: list[int], probs: list[float], cost) -> None:
         self.like, self.prompt, self.output, self.probs, self.cost = like, prompt, output, probs, cost
-        self.n_vocab, self.n_ctx, self.eog_ids = like.n_vocab, like.n_ctx, like.eog_ids
-        self.n_seq = 1
         self.cache: list[int] = []
         self.now = 0.0
         self.forwards = 0
@@ -72,6 +70,9 @@ class ReplayTarget:
         return len(self.cache)
 
     kv_len = property(lambda self: len(self.cache))
+    n_vocab = property(lambda self: self.like.n_vocab)
+    n_ctx = property(lambda self: self.like.n_ctx)
+    eog_ids = property(lambda self: self.like.eog_ids)
 
     def set_batch_invariant(self, on: bool) -> None:
         self.invariant_mode = on

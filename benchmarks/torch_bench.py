@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     import torch
 
     from specdecode.assembly import registry
-    from specdecode.backends.torch_backend import TorchBackend
-    from specdecode.backends.torch_setup import resolve_device
+    from specdecode.backends.torch import TorchBackend
+    from specdecode.backends.torch.runtime import resolve_device
     from specdecode.drafters import ModelDrafter, NgramDrafter, NoDrafter
     from specdecode.engine import SpeculativeEngine
 

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
+from specdecode.backends.base import BackendBase
 from specdecode.assembly import registry
 from specdecode.drafters import Draft, DrafterBase
 from specdecode.errors import ContextOverflowError
@@ -56,7 +57,7 @@ def step_outcome(accepted: int, verified: int = 0, seconds: float = 0.0, confide
     return StepOutcome(accepted, accepted if drafted is None else drafted, row[None, :], verified, seconds, timed)
 
 
-class ScriptedBackend:
+class ScriptedBackend(BackendBase):
     """A fake target whose greedy continuation of the prompt is a fixed script.
 
     Vocabulary: ids 0..V-1 with byte pieces given by ``pieces``; id ``eos`` ends

@@ -72,7 +72,7 @@ def test_corrupt_file_is_named(tmp_path):
 # --- flash attention: llama.cpp's choice by default, SPECDECODE_LLAMA_FLASH_ATTN chooses -----
 
 def test_flash_attention_choice_reads_the_environment(monkeypatch):
-    from specdecode.backends.llama_lib import flash_attention
+    from specdecode.backends.llama_cpp.lib import flash_attention
     from specdecode.errors import SpecDecodeError
 
     monkeypatch.delenv("SPECDECODE_LLAMA_FLASH_ATTN", raising=False)

@@ -287,9 +287,15 @@ def test_cli_builds_the_bench_config_from_its_options():
 def test_draft_options_reach_the_configurations_whose_drafter_uses_them():
     """--draft-backend torch beside prompt lookup applies to the draft model only; a draft option
     that no configuration uses is refused before anything loads, naming it."""
-    cfg = BenchConfig(configs=("smollm2-135m-instruct:4", "ngram:auto"), draft_backend="torch", draft_vocab="slem")
-    assert cfg.draft_options("smollm2-135m-instruct") == {"draft_vocab": "slem", "draft_backend": "torch"}
-    assert cfg.draft_options("ngram") == {"draft_vocab": 0, "draft_backend": "auto"}
+    cfg = BenchConfig(configs=("smollm2-135m-instruct:4", "ngram:auto"), draft_backend="torch", draft_vocab="slem",
+                      draft_gpu_layers="12")
+    assert cfg.draft_options("smollm2-135m-instruct") == {"draft_vocab": "slem", "draft_backend": "torch",
+                                                          "draft_gpu_layers": 12}
+    assert cfg.draft_options("ngram") == {"draft_vocab": 0, "draft_backend": "auto", "draft_gpu_layers": "auto"}
+    with pytest.raises(SpecDecodeError, match="draft_gpu_layers = 'all' applies to a draft model; no configuration"):
+        BenchConfig(configs=("ngram:auto",), draft_gpu_layers="all")
+    with pytest.raises(SpecDecodeError, match="gpu_layers = 'most' is not a choice"):
+        BenchConfig(gpu_layers="most")
     with pytest.raises(SpecDecodeError, match="draft_backend = 'torch' applies to a draft model; no configuration"):
         BenchConfig(configs=("ngram:auto", "suffix:4"), draft_backend="torch")
     with pytest.raises(SpecDecodeError, match="draft_vocab = 'tli'") as e:
@@ -435,7 +441,7 @@ def test_run_bench_constrains_json_schema_prompts(smollm_path, tmp_path, monkeyp
 
 def test_the_torch_draft_is_found_through_draft_backends():
     """The assisted peer's draft comes from the drafters' declared draft_backends()."""
-    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch import TorchBackend
     from specdecode.bench import torch_draft_model
 
     torch_draft = TorchBackend.__new__(TorchBackend)

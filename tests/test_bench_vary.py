@@ -17,6 +17,7 @@ import os
 import pytest
 
 from conftest import ScriptedBackend
+from specdecode.backends import BackendBase
 from specdecode.bench import (BenchConfig, add_bench_parser, config_from_args, parse_vary, print_table, run_bench,
                               runner, vary_table)
 from specdecode.bench.vary import SETTINGS, check_loaded, loading_with
@@ -128,7 +129,7 @@ def test_a_load_setting_is_set_for_its_load_only_and_checked(monkeypatch):
         assert os.environ["SPECDECODE_LLAMA_BUFFERS"] == "repack" and "SPECDECODE_LLAMA_REPACK" not in os.environ
     assert (os.environ["SPECDECODE_LLAMA_BUFFERS"], os.environ["SPECDECODE_LLAMA_REPACK"]) == ("none", "0")
 
-    class Torchlike:
+    class Torchlike(BackendBase):
         name = "a torch model"
 
     with pytest.raises(SpecDecodeError, match="a setting of the llama.cpp backend: target a torch model has none"):

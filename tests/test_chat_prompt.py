@@ -25,7 +25,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "description": "finds
 
 @pytest.fixture(scope="module")
 def smollm_torch(smollm_path):
-    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch import TorchBackend
 
     b = TorchBackend.load(smollm_path, dtype="float32", device="cpu", n_ctx=1024, name="smollm2 (torch)")
     yield b

@@ -42,6 +42,9 @@ def test_generate_json_compare(smollm_path):
     for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position",
                 "target_forward_passes", "prefill_s", "decode_s", "draft_s", "verify_s", "decode_tokens_per_s"):
         assert key in obj["stats"]
+    # where each model ran: llama.cpp's device name ("CPU" where none) and its layers on a GPU, of its total
+    assert (obj["stats"]["device"], obj["stats"]["gpu_layers"], obj["stats"]["n_layers"]) == ("CPU", 0, 31)
+    assert obj["stats"]["draft_models"] == [{"name": SMOL, "device": "CPU", "gpu_layers": 0, "n_layers": 31}]
     base = obj["baseline"]
     assert base["stats"]["drafted"] == 0
     assert base["speedup"] > 0
@@ -61,6 +64,7 @@ def test_generate_streams_text_and_prints_stats(smollm_path):
     assert "acceptance_rate" in p.stderr and "decode_tokens_per_s" in p.stderr
     # where llama.cpp keeps the weights, as it reported them (smollm2's Q4_1 has no CPU_REPACK kernel)
     assert re.search(r"^weights: (repack|amx|none) \(CPU_Mapped \d+ MiB", p.stderr, re.M), p.stderr
+    assert re.search(r"^device: target on the CPU$", p.stderr, re.M), p.stderr  # where it ran, in words
     assert "\n\n" not in p.stdout.rstrip("\n")
 
 
@@ -79,6 +83,9 @@ def test_generate_streams_text_and_prints_stats(smollm_path):
         (["--draft", SMOL, "--draft-vocab", "100"], ["--draft-backend torch", "LlamaCppBackend"]),
         (["--draft-vocab", "lem"], ["--draft-vocab", "expected an integer >= 0, got 'lem', or one of slem, tli"]),
         (["--draft-vocab", "tli"], ["draft_vocab = 'tli' applies to a draft model; draft 'none'"]),
+        (["--gpu-layers", "most"], ["--gpu-layers most is not a choice", "'all' or 'auto'"]),
+        (["--gpu-layers", "-3"], ["--gpu-layers -3 is not a choice"]),
+        (["--draft-gpu-layers", "all"], ["draft_gpu_layers = 'all' applies to a draft model; draft 'none'"]),
     ],
 )
 def test_out_of_range_options(args, needles):

@@ -92,7 +92,7 @@ def test_llama_cpp_reads_the_model_and_caps_by_memory(smollm_path, monkeypatch):
     finally:
         b.close()
     # As little memory as 2048 tokens x 2 slots need, twice over (the fraction is a half):
-    monkeypatch.setattr(llama_cpp, "available_memory", lambda: 2 * 2048 * 2 * SMOLLM_KV)
+    monkeypatch.setattr(llama_cpp.backend, "available_memory", lambda: 2 * 2048 * 2 * SMOLLM_KV)
     b = llama_cpp.LlamaCppBackend(smollm_path, n_ctx=None, name=SMOLLM, n_seq=2)
     try:
         assert b.n_ctx == 2048 and "capped by memory" in b.context.note

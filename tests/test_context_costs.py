@@ -36,7 +36,7 @@ class ClockedTarget(ScriptedBackend):
     def __init__(self, n_ctx: int = 8192) -> None:
         super().__init__([bytes([i]) for i in range(256)], [1], n_prompt=1, n_ctx=n_ctx)
         self.name = "clocked"
-        self.path, self.n_threads, self.device, self.cost_key = None, 2, "cpu", ""
+        self.path, self.n_threads, self.device = None, 2, "cpu"
         self.now = 0.0
         self.prefills: list[int] = []  # tokens of each untimed forward (no logits)
 

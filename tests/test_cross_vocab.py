@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specdecode.backends.base import BackendBase
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.vocab_map import build_vocab_map, render
 from specdecode.drafters import ModelDrafter, NoDrafter
@@ -221,7 +222,7 @@ KNOWN = b"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n
 END_MARK = b"<|end|>"
 
 
-class TextModel:
+class TextModel(BackendBase):
     """A fake model over its own pieces that knows KNOWN: after a context spelling a prefix of
     KNOWN it puts a margin of 6 on the piece that continues KNOWN (the longest that matches)
     and 3 on the one-byte piece, the end marker at KNOWN's end; after anything else, on piece
@@ -360,7 +361,7 @@ def tiny_torch(vocab_size: int, seed: int, corpus: str):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
 
-    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch import TorchBackend
 
     tok = Tokenizer(tok_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -93,7 +93,7 @@ def test_torch_backend_reads_fim_tokens_from_its_tokenizer():
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch import TorchBackend
 
     specials = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                 "<|repo_name|>", "<|file_sep|>"]

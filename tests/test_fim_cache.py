@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from specdecode.api import Decoder
-from specdecode.backends.base import BackendBase, common_prefix_len
+from specdecode.backends.base import BackendBase
+from specdecode.backends.sharing import common_prefix_len
 from specdecode.backends.fim import FimTokens
 from specdecode.server import create_app
 

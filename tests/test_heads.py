@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.backends.base import HiddenRows, residual_heads
+from specdecode.backends.base import HiddenRows
+from specdecode.backends.residual_heads import residual_heads
 from specdecode.backends.llama_cpp import LlamaCppBackend
-from specdecode.backends.llama_heads import output_rows
-from specdecode.backends.torch_backend import TorchBackend
+from specdecode.backends.llama_cpp.heads import output_rows
+from specdecode.backends.torch import TorchBackend
 from specdecode.cli import main
 from specdecode.control.controller import HiddenStateController, SpeculationController, Source
 from specdecode.control.costmodel import CostCurve

@@ -1,4 +1,4 @@
-"""Where llama.cpp keeps the weights (specdecode.backends.llama_buffers): the choice as a pure
+"""Where llama.cpp keeps the weights (specdecode.backends.llama_cpp.buffers): the choice as a pure
 function, the AMX probe against fake children (one that crashes, ones that succeed, one that
 hangs), the placement of weights in CPU_REPACK by name on real models, and its parity with
 llama.cpp's own placement."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from specdecode.assembly import registry
-from specdecode.backends import llama_buffers as lb
-from specdecode.backends.llama_buffers import AmxProbe, choose_buffers
+from specdecode.backends.llama_cpp import buffers as lb
+from specdecode.backends.llama_cpp.buffers import AmxProbe, choose_buffers
 from specdecode.errors import ModelFileError, SpecDecodeError
 
 FAST = {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.09, 16: 0.12, 32: 0.2}
@@ -218,18 +218,18 @@ def test_the_real_child_reports_a_forward_and_its_curve(tmp_path):
     """The probe child itself, on a build without AMX: CPU_REPACK survives and is timed; AMX is
     refused by the child with the request's error (exit 2), which counts as not surviving."""
     path = registry.resolve(registry.DEFAULT_DRAFT, progress=False)
-    out = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_probe", str(path), "repack", "1"], 300)
+    out = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_cpp.probe", str(path), "repack", "1"], 300)
     result, why = out
     assert why == "" and result["survived"] is True
     assert sorted(int(n) for n in result["seconds"]) == list(lb.PROBE_NS)
     assert all(s > 0 for s in result["seconds"].values())
     assert result["weights"].get("CPU_REPACK", 0) > 0
     if not lb.amx_compiled():
-        result, why = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_probe", str(path), "amx", "1"], 300)
+        result, why = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_cpp.probe", str(path), "amx", "1"], 300)
         assert "has no AMX kernels" in why
     for args, why in (([str(path), "", "1"], "BUFFERS '' is not a choice"), ([str(path), "none", "0"], "THREADS '0'"),
                       ([str(tmp_path / "missing.gguf"), "none", "1"], "missing.gguf does not exist")):
-        result, said = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_probe", *args], 60)
+        result, said = lb._run_child([sys.executable, "-m", "specdecode.backends.llama_cpp.probe", *args], 60)
         assert result is None and why in said
 
 

@@ -272,7 +272,7 @@ def test_torch_pair_with_padded_vocabularies_is_lossless():
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
 
-    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch import TorchBackend
 
     tok = Tokenizer(tok_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

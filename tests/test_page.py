@@ -108,6 +108,9 @@ def test_the_trace_names_where_each_piece_of_text_came_from(server, api_answer):
 def test_info_and_costs_views(server, auto_decoder):
     info = httpx.get(server.url + "/v1/specdecode/info").json()
     assert info["model"] == MODEL and info["drafters"] == ["ngram"] and info["num_speculative_tokens"] == 4
+    # where the model runs (a CPU-only build here): llama.cpp's device name and its layers, in words too
+    assert (info["device"], info["gpu_layers"], info["n_layers"], info["draft_models"]) == ("CPU", 0, 31, [])
+    assert info["runs_on"] == "target on the CPU" == httpx.get(server.url + "/health").json()["runs_on"]
     costs = httpx.get(server.url + "/v1/specdecode/costs").json()
     assert costs["target"] is None and "fixed K" in costs["note"]  # a fixed K plans with no curve
     with ServerThread(create_app(auto_decoder)) as s:
@@ -184,6 +187,7 @@ def test_the_page_streams_the_apis_answer_with_its_accepted_drafts_marked(browse
     assert browser.find_element(By.ID, "reason").text.startswith("fixed: ngram drafts K = 4")  # the line that says why
     assert _canvas_drawn(browser, "kchart")
     assert MODEL in browser.find_element(By.ID, "model").text
+    assert browser.find_element(By.ID, "runs-on").text == "runs: target on the CPU"  # where the model runs, in words
     assert not browser.find_element(By.ID, "keybox").is_displayed()  # no key asked of a server without one
     assert not browser.find_element(By.ID, "view-costs").is_displayed()
     browser.find_element(By.ID, "compare").click()

@@ -471,7 +471,7 @@ def test_the_torch_backend_passes_tools_to_the_tokenizers_template():
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models
 
-    from specdecode.backends.torch_backend import TorchBackend
+    from specdecode.backends.torch import TorchBackend
 
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="</s>")
     tok.chat_template = ("{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"

@@ -14,7 +14,7 @@ import torch  # a test dependency (pip install -e '.[test]')
 import transformers
 
 from specdecode.assembly import registry
-from specdecode.backends.torch_backend import TorchBackend
+from specdecode.backends.torch import TorchBackend
 from specdecode.backends.vocab import vocab_fingerprint
 from specdecode.drafters import Draft, DrafterBase, ModelDrafter, NgramDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine

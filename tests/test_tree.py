@@ -232,7 +232,7 @@ def test_medusa_tree_expands_the_likeliest_paths_first():
 def smollm_trees(smollm_path):
     """smollm2 on llama.cpp with branch sequences for trees (as Decoder(max_tree_nodes > 0) loads it)."""
     from specdecode.backends.llama_cpp import LlamaCppBackend
-    from specdecode.backends.llama_tree import TREE_BRANCHES
+    from specdecode.backends.llama_cpp.tree import TREE_BRANCHES
 
     b = LlamaCppBackend(smollm_path, n_ctx=2048, name="smollm2-135m-instruct", tree_branches=TREE_BRANCHES)
     yield b
@@ -247,7 +247,7 @@ def test_llama_tree_rows_match_each_path_and_keep_one(smollm_trees):
     """Each row of a tree decoded through branch sequence ids has its path's logits run
     alone (within batched numerics, and the same argmax); keeping a path leaves the cache
     as that chain's, and the branch sequences empty."""
-    from specdecode.backends.llama_tree import TREE_BRANCHES
+    from specdecode.backends.llama_cpp.tree import TREE_BRANCHES
 
     smollm = smollm_trees
     prompt = smollm.tokenize("def add(a, b):\n    return", add_special=True)
@@ -364,7 +364,7 @@ def test_trees_in_a_batch_keep_every_sequence_to_its_committed_tokens(smollm_pat
     are verified as trees. After every step each sequence holds exactly its committed tokens
     but the last, the branch sequences hold nothing, and both outputs are plain decoding's."""
     from specdecode.backends.llama_cpp import LlamaCppBackend
-    from specdecode.backends.llama_tree import TREE_BRANCHES
+    from specdecode.backends.llama_cpp.tree import TREE_BRANCHES
     from specdecode.parity import parity_report
 
     b = LlamaCppBackend(smollm_path, n_ctx=1024, name="smollm2-135m-instruct", n_seq=2, tree_branches=TREE_BRANCHES)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from test_torch_backend import backend, models_, tokenizer  # noqa: F401 (fixtures)
-from specdecode.backends.base import tree_prefix_within
+from specdecode.backends.tree_shape import tree_prefix_within
 from specdecode.control.costmodel import CostCurve
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.planner import tree_budget

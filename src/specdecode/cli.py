@@ -20,6 +20,7 @@ from .errors import SpecDecodeError
 from .grammar import Grammar
 from .limits import BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, DTYPES, MAX_LOGPROBS, check_logprobs, check_text
 from .messages import check_messages
+from .stats import placement_words
 from .options import (add_model_options, add_sampling_options, check_model_args, read_input, sampling_from_args,
                       sampling_kwargs)
 from .server.cli import add_serve_parser
@@ -58,6 +59,8 @@ def _stats_block(label: str, stats: dict) -> str:
     elif stats.get("invariant_block"):
         lines.append(f"batch-invariant: verified in blocks of at most {stats['invariant_block']} tokens, whose logits "
                      "equal one-token steps on this machine, so K and the drafter cannot change the text")
+    if stats.get("device"):
+        lines.append("device: " + placement_words(stats))
     if stats.get("weights"):
         lines.append(f"weights: {stats['weights']}")
     lines.append(

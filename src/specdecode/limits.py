@@ -95,6 +95,12 @@ MIN_N_CTX = 16  # the smallest context window a backend accepts, in tokens
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_DTYPE = "float32"
 DEFAULT_DEVICE = "cpu"
+# Layers of a GGUF model on the GPU of llama.cpp's build (--gpu-layers, --draft-gpu-layers; llama.cpp's
+# n_gpu_layers): a number, "all", or "auto" (all where they fit the device's free memory, else as many
+# as fit; the CPU on a CPU-only build): backends/llama_cpp/offload.py.
+GPU_LAYERS_CHOICES = ("auto", "all")
+DEFAULT_GPU_LAYERS = "auto"
+MAX_GPU_LAYERS = 100_000  # more layers than any model has: a larger number is a typing slip
 
 
 def is_int(value: object) -> bool:
@@ -131,6 +137,20 @@ def check_parallel(value: object, name: str = "parallel") -> int:
     if not is_int(value) or not (1 <= value <= MAX_PARALLEL):
         raise SpecDecodeError(f"{_shown(name, value)} is out of range: expected an integer 1..{MAX_PARALLEL}",
                               param=name)
+    return value
+
+
+def check_gpu_layers(value: object, name: str = "gpu_layers") -> int | str:
+    """Layers to offload as given by a user: an integer 0..MAX_GPU_LAYERS (one larger than the
+    model's layers means all), "all" or "auto"; a string of digits (a command line's) is read as
+    its number. Returns the value. Raises SpecDecodeError (param ``name``) naming it otherwise."""
+    if isinstance(value, str) and value.strip().lower() in GPU_LAYERS_CHOICES:
+        return value.strip().lower()
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if not is_int(value) or not (0 <= value <= MAX_GPU_LAYERS):
+        raise SpecDecodeError(f"{_shown(name, value)} is not a choice: expected a number of layers "
+                              f"0..{MAX_GPU_LAYERS}, 'all' or 'auto'", param=name)
     return value
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .assembly import registry
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
-from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_SAMPLING_RULE, DEVICES, DRAFT_VOCAB_METHODS, DTYPES,
+from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GPU_LAYERS, check_gpu_layers, DEFAULT_SAMPLING_RULE, DEVICES, DRAFT_VOCAB_METHODS, DTYPES,
                      SAMPLING_RULES,
                      MAX_NUM_SPECULATIVE_TOKENS, MAX_PARALLEL, MAX_THREADS, MIN_N_CTX, check_num_speculative_tokens, check_parallel,
                      check_tree_width, check_max_tree_nodes, DEFAULT_TREE_NODES, DEFAULT_TREE_WIDTH, MAX_TREE_NODES)
@@ -71,8 +71,9 @@ def draft_vocab_value(text: str) -> int | str:
 
 
 def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
-    """--target, --backend, --dtype, --device, --ctx-size, --threads, --draft-backend,
-    --draft-vocab and, with ``draft``, --draft and --num-speculative-tokens/-k."""
+    """--target, --backend, --dtype, --device, --ctx-size, --threads, --gpu-layers,
+    --draft-gpu-layers, --draft-backend, --draft-vocab and, with ``draft``, --draft and
+    --num-speculative-tokens/-k."""
     p.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help="registry name, .gguf path or Hugging Face folder (default: %(default)s)")
     if draft:
@@ -99,6 +100,12 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                         "that the KV caches of every slot and a draft model fit in half the memory available; a "
                         "larger N is capped at the trained context with a warning). The choice is printed at start")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--gpu-layers", "-ngl", default=DEFAULT_GPU_LAYERS, metavar="N|all|auto",
+                   help="layers of a GGUF target on the GPU of llama.cpp's build (CUDA, Metal, Vulkan...): N, all, or "
+                        "auto: all where the weights and the context's KV cache fit the device's free memory, else as "
+                        "many as fit (said in one line); a CPU-only build runs on the CPU (default: %(default)s)")
+    p.add_argument("--draft-gpu-layers", "-ngld", default=DEFAULT_GPU_LAYERS, metavar="N|all|auto",
+                   help="a GGUF draft model's layers on the GPU, as --gpu-layers (default: %(default)s)")
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -159,6 +166,8 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         raise SpecDecodeError(f"--threads {args.threads} is out of range: expected 1..{MAX_THREADS}", param="--threads")
     check_parallel(vars(args).get("parallel", 1), "--parallel")
+    args.gpu_layers = check_gpu_layers(args.gpu_layers, "--gpu-layers")
+    args.draft_gpu_layers = check_gpu_layers(args.draft_gpu_layers, "--draft-gpu-layers")
     check_tree_width(vars(args).get("tree_width", DEFAULT_TREE_WIDTH), "--tree-width")
     check_max_tree_nodes(vars(args).get("max_tree_nodes"), "--max-tree-nodes")
 
@@ -171,7 +180,8 @@ def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:
                 parallel=vars(args).get("parallel", 1), tree_width=vars(args).get("tree_width", DEFAULT_TREE_WIDTH),
                 max_tree_nodes=vars(args).get("max_tree_nodes"),
                 kv_per_sequence=bool(vars(args).get("strict", False)),  # serve --strict: a cache per slot
-                background_costs=bool(vars(args).get("background_costs", False)))  # serve: measured between requests
+                background_costs=bool(vars(args).get("background_costs", False)),  # serve: measured between requests
+                gpu_layers=args.gpu_layers, draft_gpu_layers=args.draft_gpu_layers)
 
 
 def decoder_from_args(args: argparse.Namespace, progress: bool = True) -> "Decoder":

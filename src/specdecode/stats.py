@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .backends.base import Placement
+
 
 @dataclass
 class Stats:
@@ -34,6 +36,10 @@ class Stats:
         decoded in plain one-token steps where no block of 2+ tokens is invariant.
     weights: where the target's weights live (llama.cpp: the buffer choice and its buffer
         types with their MiB, "repack (CPU_Mapped 1060 MiB, CPU_REPACK 597 MiB)"); "" elsewhere.
+    placement: where the target's layers ran ({"device", "gpu_layers", "n_layers"}: llama.cpp's
+        device name, "CPU" where none; layers on a GPU, of the model's total:
+        :class:`specdecode.backends.base.Placement`); draft_placements: the same for each draft
+        model the generation could draft with, with its "name" ([] where none).
     draft, num_speculative_tokens, max_tree_nodes, strict: what the generation ran with, as
         the engine decided it once at its start ("none" and 0 for plain decoding; the cap on
         drafted tokens per step; the node budget of its trees, 0: chains; strict mode): what
@@ -62,6 +68,8 @@ class Stats:
     controller_note: str = ""
     invariant_block: int = 0
     weights: str = ""
+    placement: dict = field(default_factory=dict)
+    draft_placements: list[dict] = field(default_factory=list)
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
     draft: str = ""
@@ -154,6 +162,10 @@ class Stats:
             "controller_note": self.controller_note,
             "invariant_block": self.invariant_block,
             "weights": self.weights,
+            "device": self.placement.get("device", "CPU"),
+            "gpu_layers": self.placement.get("gpu_layers", 0),
+            "n_layers": self.placement.get("n_layers", 0),
+            "draft_models": [dict(d) for d in self.draft_placements],
             "tree_steps": self.tree_steps,
             "tree_nodes": self.tree_nodes,
             "tree_accepted": self.tree_accepted,
@@ -165,3 +177,13 @@ class Stats:
             "max_tree_nodes": self.max_tree_nodes,
             "strict": self.strict,
         }
+
+
+def placement_words(stats: dict) -> str:
+    """Where a generation's models ran, in words, from its statistics (:meth:`Stats.to_dict`):
+    "target on the CPU", "target all 29 layers on Vulkan0; draft model qwen2.5-coder-0.5b-instruct
+    all 25 layers on Vulkan0"."""
+    def words(d: dict) -> str:
+        return Placement(d.get("device", "CPU"), d.get("gpu_layers", 0), d.get("n_layers", 0)).words()
+    return "; ".join([f"target {words(stats)}"] + [f"draft model {d.get('name', '')} {words(d)}"
+                                                  for d in stats.get("draft_models", [])])

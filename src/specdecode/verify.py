@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import tree_depths
+from .backends.tree_shape import tree_depths
 from .sampling import sample_token
 
 

@@ -13,14 +13,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 
 from ..assembly import registry
-from ..backends.base import Backend, claim_backends, release_backends
+from ..backends.base import Backend
+from ..backends.sharing import claim_backends, release_backends
 from ..backends.fim import FimBudget
 from ..control.calibration import Calibration
 from ..drafters.kinds import check_draft_options, resolve
 from ..engine import Generation, drive
 from ..errors import SpecDecodeError
-from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, check_draft_vocab, \
-    check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
+from ..limits import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GPU_LAYERS, DEFAULT_TREE_WIDTH, check_draft_vocab, \
+    check_gpu_layers, check_max_tree_nodes, check_parallel, check_text, check_token_ids, \
     check_tree_width
 from ..assembly.loading import load_target, make_speculation
 from ..messages import text_parts
@@ -53,6 +54,12 @@ class Decoder:
     n_threads: CPU threads (default: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch" (see :func:`backend_kind`).
     dtype, device: for the torch backend (float32/bfloat16/float16; cpu/cuda/auto).
+    gpu_layers, draft_gpu_layers: the target's and a draft model's layers on the GPU of
+        llama.cpp's build (GGUF models): a number (more than the model has: all), "all", or
+        "auto" (default: all where the weights and the context's KV cache fit the device's free
+        memory, else as many as fit, said in one line; the CPU on a CPU-only build). The
+        backends' ``placement`` says where they went
+        (:mod:`specdecode.backends.llama_cpp.offload`).
     draft_vocab: an integer: a torch draft model computes logits only for ids below this, the
         prompt's tokens and end-of-generation ids (0 = all; see ModelDrafter's vocab_subset);
         "slem" or "tli": how a draft model with another tokenizer than the target's drafts
@@ -112,6 +119,8 @@ class Decoder:
         tree_width: int = DEFAULT_TREE_WIDTH,
         kv_per_sequence: bool = False,
         background_costs: bool = False,
+        gpu_layers: int | str = DEFAULT_GPU_LAYERS,
+        draft_gpu_layers: int | str = DEFAULT_GPU_LAYERS,
     ) -> None:
         # Names (a loaded backend's own), as the server and the statistics report them.
         self.target_name = target.name if isinstance(target, Backend) else target
@@ -119,18 +128,23 @@ class Decoder:
         choice = resolve(draft, num_speculative_tokens)
         draft_vocab = check_draft_vocab(draft_vocab)
         parallel = check_parallel(parallel)
-        check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend)
+        gpu_layers = check_gpu_layers(gpu_layers)
+        draft_gpu_layers = check_gpu_layers(draft_gpu_layers, "draft_gpu_layers")
+        check_draft_options(draft, parallel, draft_vocab=draft_vocab, draft_backend=draft_backend,
+                            draft_gpu_layers=draft_gpu_layers)
         check_tree_width(tree_width)  # before anything loads
         check_max_tree_nodes(max_tree_nodes)
         given = claim_backends(target, draft)
         self.target = load_target(target, choice, given, backend=backend, n_ctx=n_ctx, n_threads=n_threads,
                                   dtype=dtype, device=device, progress=progress, n_seq=parallel,
                                   trees=bool(max_tree_nodes), kv_per_sequence=kv_per_sequence,
-                                  measure_attention=not background_costs)
+                                  measure_attention=not background_costs, gpu_layers=gpu_layers)
         # What context the target holds and why (None for a loaded backend that does not say).
-        self.context = getattr(self.target, "context", None)
+        self.context = self.target.context
         if progress and self.context is not None and not isinstance(target, Backend):
             _say(("specdecode: warning: " if self.context.warning else "specdecode: ") + self.context.note)
+        if progress and not isinstance(target, Backend):
+            _say_placement(self.target, gpu_layers)
         # What is measured between a server's requests (None: up front, as needed).
         self.calibration = Calibration(self.target, registry.cache_dir(), say=_say if progress else None) \
             if background_costs else None
@@ -138,9 +152,11 @@ class Decoder:
             self.engine = make_speculation(choice, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
                                            backend=draft_backend, dtype=dtype, device=device, draft_vocab=draft_vocab,
                                            n_slots=parallel, max_tree_nodes=max_tree_nodes, tree_width=tree_width,
-                                           calibration=self.calibration)
+                                           calibration=self.calibration, gpu_layers=draft_gpu_layers)
             self.drafter = self.engine.drafter
             self.engine.draft_name = self.draft_name
+            for model in self.drafter.draft_backends() if progress and not isinstance(draft, Backend) else ():
+                _say_placement(model, draft_gpu_layers)
         except BaseException:
             release_backends(given)
             if self.target not in given:  # a backend the caller gave stays theirs, as it was
@@ -338,7 +354,7 @@ class Decoder:
         if (suffix is not None or extra is not None) and prompt_ids is not None:
             raise SpecDecodeError("suffix and extra make a fill-in-the-middle prompt from a prompt: give prompt, "
                                   "not prompt_ids", param="suffix")
-        if getattr(self.target, "has_text", True):  # request-fed inputs given as text: tokenized here
+        if self.target.has_text:  # request-fed inputs given as text: tokenized here
             def as_ids(name: str, v):
                 text = isinstance(v, str) or isinstance(v, list) and not all(isinstance(t, int) for t in v)
                 return tuple(self.input_ids(v, name)) if text else v
@@ -358,7 +374,7 @@ class Decoder:
             if prompt is not None or messages is not None:
                 raise SpecDecodeError("give exactly one of prompt, messages or prompt_ids")
             return check_token_ids(prompt_ids, V, self.target.name), options
-        if prompt is None and messages is None and not getattr(self.target, "has_text", True):
+        if prompt is None and messages is None and not self.target.has_text:
             raise SpecDecodeError(f"give prompt_ids: target {self.target.name} is a model over codes",
                                   param="prompt_ids")
         return self.prompt_ids(prompt, messages, suffix=suffix, extra=extra), options
@@ -390,3 +406,10 @@ def generate(prompt: str | None = None, **options) -> GenerationResult | Iterato
         return gen()
     with dec:
         return dec.generate(prompt, **kwargs)
+
+
+def _say_placement(model: Backend, asked: int | str) -> None:
+    """The line on where a model's layers went (:attr:`Backend.placement`), where any is on a GPU
+    or layers were asked for (a CPU-only build then says it runs them on the CPU)."""
+    if model.placement.note and (not model.placement.on_cpu or asked != DEFAULT_GPU_LAYERS):
+        _say("specdecode: " + model.placement.note)

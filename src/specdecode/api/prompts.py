@@ -48,7 +48,7 @@ def fim_ids(target: Backend, prompt: str | None, messages: Sequence[dict] | None
 
 def check_codes(target: Backend, prompt, messages, fields: dict) -> None:
     """A target without text takes ids only: refuse each text-only option by name."""
-    if getattr(target, "has_text", True):
+    if target.has_text:
         return
     given = {"prompt": prompt is not None, "messages": messages is not None,
              "stop": bool(fields.get("stop")), "grammar": fields.get("grammar") is not None,

@@ -14,9 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import registry
-from ..backends.base import Backend, release_backends
+from ..backends.base import Backend
+from ..backends.sharing import release_backends
 from ..backends.llama_cpp import LlamaCppBackend
-from ..backends.llama_tree import TREE_BRANCHES
+from ..backends.llama_cpp.tree import TREE_BRANCHES
 from ..control.attention import resolve_attention
 from ..control.calibration import Calibration
 from ..control.controller import SpeculationController, Source
@@ -31,6 +32,7 @@ from ..drafters.tree import set_tree_options
 from ..engine import SpeculativeEngine
 from ..errors import SpecDecodeError
 from ..limits import (AUTO_KMAX, BACKENDS, BATCH_COST_CURVE_NS, COST_CURVE_NS, DEFAULT_DEVICE, DEFAULT_DTYPE,
+                      DEFAULT_GPU_LAYERS,
                       DEFAULT_TREE_WIDTH, check_choice)
 from ..backends.vocab import fingerprint_serves
 
@@ -47,7 +49,8 @@ def backend_kind(name_or_path: str, backend: str = "auto") -> str:
 def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = None, n_threads: int | None = None,
                  dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, progress: bool = True,
                  n_seq: int = 1, trees: bool = False, kv_per_sequence: bool = False,
-                 kv_reserve: float = 1.0, measure_attention: bool = True) -> Backend:
+                 kv_reserve: float = 1.0, measure_attention: bool = True,
+                 gpu_layers: int | str = DEFAULT_GPU_LAYERS) -> Backend:
     """Load a model on the chosen backend.
 
     n_ctx: tokens a sequence holds; None: what the model was trained for, within the memory
@@ -58,6 +61,9 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
     and raises SpecDecodeError for more). trees: able to verify trees of drafts (llama.cpp:
     with TREE_BRANCHES branch sequences; torch always is). kv_per_sequence: llama.cpp keeps
     a KV buffer for each sequence (:class:`LlamaCppBackend`; the torch backend holds one).
+    gpu_layers: llama.cpp's layers on its build's GPU (a number, "all", "auto":
+    :mod:`specdecode.backends.llama_cpp.offload`); the torch backend places the whole model with
+    ``device`` and refuses any other value than "auto".
 
     llama.cpp: a registry name (pulled on first use) or a .gguf path; its attention path as
     :func:`specdecode.control.attention.resolve_attention` chooses it (measure_attention False:
@@ -71,7 +77,7 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
         path = registry.resolve(name_or_path, progress=progress)
         b = LlamaCppBackend(path, n_ctx=n_ctx, n_threads=n_threads, name=name_or_path, n_seq=n_seq,
                             tree_branches=TREE_BRANCHES if trees else 0, kv_per_sequence=kv_per_sequence,
-                            kv_reserve=kv_reserve)
+                            kv_reserve=kv_reserve, gpu_layers=gpu_layers)
         try:
             resolve_attention(b, registry.cache_dir(), say=None if progress else lambda line: None,
                               measure=measure_attention)
@@ -79,10 +85,14 @@ def load_backend(name_or_path: str, backend: str = "auto", n_ctx: int | None = N
             b.close()
             raise
         return _known(b)
+    if gpu_layers != DEFAULT_GPU_LAYERS:
+        raise SpecDecodeError(f"gpu_layers = {gpu_layers!r} places the layers of a GGUF model on llama.cpp; {name_or_path} "
+                              f"loads on the torch backend, whose device is chosen with device (--device cuda)",
+                              param="gpu_layers")
     if n_seq != 1:
         raise SpecDecodeError(f"the torch backend serves one sequence at a time: {n_seq} parallel sequences "
                               f"(--parallel {n_seq}) need the llama.cpp backend (a GGUF model)", param="parallel")
-    from ..backends.torch_backend import TorchBackend
+    from ..backends.torch import TorchBackend
 
     path = Path(name_or_path).expanduser()
     if name_or_path in registry.REGISTRY:
@@ -119,7 +129,8 @@ def _known(backend: Backend) -> Backend:
 
 def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int | None = None, n_threads: int | None = None,
                  progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
-                 device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0, n_seq: int = 1) -> Drafter:
+                 device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0, n_seq: int = 1,
+                 gpu_layers: int | str = DEFAULT_GPU_LAYERS) -> Drafter:
     """The drafter that ``draft`` names (a row of :data:`specdecode.drafters.kinds.KINDS`:
     'none', 'ngram', 'suffix', 'heads:FILE', or a draft model: registry name, .gguf path or
     HF folder on any backend, or a loaded Backend, checked against the target's vocabulary). draft_vocab: see
@@ -131,7 +142,7 @@ def make_drafter(draft: "str | Backend", target: Backend, n_ctx: int | None = No
     """
     check_draft_options(draft, n_seq, draft_vocab=draft_vocab, draft_backend=backend)
     return _build(draft, target, dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend,
-                                      dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
+                                      dtype=dtype, device=device, n_seq=n_seq, gpu_layers=gpu_layers), draft_vocab)
 
 
 def _build(draft: "str | Backend", target: Backend, load_opts: dict, draft_vocab: int | str) -> Drafter:
@@ -160,16 +171,16 @@ def is_default_draft(target: Backend) -> bool:
     or its file being the registry's cached copy): ``auto`` then does not draft with it, since
     a draft as costly as the target saves nothing."""
     spec = registry.get_spec(registry.DEFAULT_DRAFT)
-    if getattr(target, "known_sha256", None) == spec.sha256:
+    if target.known_sha256 == spec.sha256:
         return True
-    path = getattr(target, "path", None)
+    path = target.path
     return path is not None and Path(path).resolve() == registry.cached_path(spec).resolve()
 
 
 def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KMAX, n_ctx: int | None = None,
                     n_threads: int | None = None, progress: bool = True, backend: str = "auto",
                     dtype: str = DEFAULT_DTYPE, device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0,
-                    n_seq: int = 1) -> Drafter:
+                    n_seq: int = 1, gpu_layers: int | str = DEFAULT_GPU_LAYERS) -> Drafter:
     """The cost-aware controller over the drafters that ``draft`` names, with K <= kmax.
 
     draft: "auto" (the free lookups of the kinds table, plus the default draft model when it
@@ -180,14 +191,16 @@ def make_controller(draft: "str | Backend", target: Backend, kmax: int = AUTO_KM
     check_draft_options(draft, n_seq, draft_vocab=draft_vocab, draft_backend=backend)
     choice = replace(resolve(draft, "auto"), k=kmax)
     return _controller(choice, target, dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend,
-                                            dtype=dtype, device=device, n_seq=n_seq), draft_vocab)
+                                            dtype=dtype, device=device, n_seq=n_seq, gpu_layers=gpu_layers),
+                       draft_vocab)
 
 
 def make_speculation(choice: Choice, target: Backend, n_ctx: int | None = None, n_threads: int | None = None,
                      progress: bool = True, backend: str = "auto", dtype: str = DEFAULT_DTYPE,
                      device: str = DEFAULT_DEVICE, draft_vocab: int | str = 0, n_slots: int = 1,
                      max_tree_nodes: int | None = None, tree_width: int = DEFAULT_TREE_WIDTH,
-                     calibration: Calibration | None = None) -> SpeculativeEngine:
+                     calibration: Calibration | None = None,
+                     gpu_layers: int | str = DEFAULT_GPU_LAYERS) -> SpeculativeEngine:
     """The one recipe of speculation, for the Decoder, the bench and so the server alike: the
     drafter of a resolved :class:`specdecode.drafters.kinds.Choice` (none, one kind at a fixed
     K, or the cost-aware controller over its names) and the engine around it, with n_slots
@@ -202,11 +215,12 @@ def make_speculation(choice: Choice, target: Backend, n_ctx: int | None = None, 
     they contradict it. With a ``calibration`` (a server's) nothing is measured here that the
     cache lacks: the target's curve and invariant block are measured later, between requests
     (:class:`specdecode.control.calibration.Calibration`), and planned meanwhile with the cached
-    curve or a conservative one. Raises SpecDecodeError / IncompatibleVocabularyError; a
+    curve or a conservative one. gpu_layers: a draft model's layers on llama.cpp's GPU
+    (:func:`load_backend`). Raises SpecDecodeError / IncompatibleVocabularyError; a
     drafter loaded here is closed again when a later part fails.
     """
     load_opts = dict(n_ctx=n_ctx, n_threads=n_threads, progress=progress, backend=backend, dtype=dtype,
-                     device=device, n_seq=n_slots)
+                     device=device, n_seq=n_slots, gpu_layers=gpu_layers)
     if not choice.names:
         drafter: Drafter = NoDrafter()
     elif choice.planned:

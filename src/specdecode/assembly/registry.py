@@ -281,7 +281,7 @@ def convert_to_hf(name: str, dtype: str = "bfloat16", progress: bool = True) -> 
     """
     from tqdm import tqdm
 
-    from ..backends.torch_setup import gguf_dequantize_config, import_torch
+    from ..backends.torch.runtime import gguf_dequantize_config, import_torch
 
     if dtype not in DTYPES:
         raise SpecDecodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")

@@ -22,23 +22,13 @@ per call, for draft heads: :meth:`Backend.forward_batch_hidden`, :meth:`Backend.
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
-from typing import Any, Callable, Collection, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Collection, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..errors import ContextOverflowError, ModelFileError, SpecDecodeError
+from ..errors import ContextOverflowError, SpecDecodeError
 from .fim import FimTokens
-
-
-def common_prefix_len(cached: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
-    """Length of the longest common prefix of two token lists, at most ``limit``: how much of
-    a KV cache holding ``cached`` can be kept (``rollback(n)``) for ``tokens``."""
-    n, end = 0, min(len(cached), len(tokens), len(tokens) if limit is None else limit)
-    while n < end and cached[n] == tokens[n]:
-        n += 1
-    return n
 
 
 class SeqForward(NamedTuple):
@@ -48,6 +38,42 @@ class SeqForward(NamedTuple):
     seq: int
     token_ids: Sequence[int]
     logits_for: Sequence[int]
+
+
+class Placement(NamedTuple):
+    """Where a model's weights run. device: llama.cpp's device name where layers are on a GPU
+    ("CUDA0", "Vulkan0", "Metal"), torch's device ("cuda:0", "mps"), "CPU" where none;
+    gpu_layers: layers on a GPU device; n_layers: the model's layers as its engine counts them
+    (llama.cpp: the blocks and the output layer; 0 where unknown); description: the device's own
+    words (the card's name); note: one line on how the placement was chosen."""
+
+    device: str = "CPU"
+    gpu_layers: int = 0
+    n_layers: int = 0
+    description: str = ""
+    note: str = ""
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether every layer runs on the CPU (the CPU's rules apply: its buffers, its
+        attention path, a busy machine's readings)."""
+        return self.device == "CPU"
+
+    def to_dict(self) -> dict:
+        """The statistics' fields: device, gpu_layers, n_layers."""
+        return {"device": self.device, "gpu_layers": self.gpu_layers, "n_layers": self.n_layers}
+
+    def words(self) -> str:
+        """In words: "all 29 layers on Vulkan0 (llvmpipe ...)", "12 of 29 layers on CUDA0 (...),
+        the rest on the CPU", "on the CPU"."""
+        if self.on_cpu:
+            return "on the CPU"
+        where = f"{self.device} ({self.description})" if self.description else self.device
+        if not self.n_layers:
+            return f"on {where}"
+        if self.gpu_layers >= self.n_layers:
+            return f"all {self.n_layers} layers on {where}"
+        return f"{self.gpu_layers} of {self.n_layers} layers on {where}, the rest on the CPU"
 
 
 class HiddenRows(NamedTuple):
@@ -60,22 +86,6 @@ class HiddenRows(NamedTuple):
     hidden: Any
 
 
-def residual_heads(h, weight, bias, w_out, b_out, einsum: Callable, silu: Callable):
-    """Medusa-1 residual heads (:mod:`specdecode.drafters.heads`), the one formula of every
-    place that runs them (the backends' :meth:`Backend.make_heads`, training), on numpy
-    arrays or torch tensors alike (einsum and silu of that library)::
-
-        z_k = h + SiLU(W_k h + b_k),    logits_k = W_out[S] z_k + b_out[S]
-
-    h [..., H]; weight [K, H, H]; bias [K, H]; w_out [S, H] (the output projection's rows
-    of the vocabulary subset S); b_out [S] or None (its bias, where the model has one).
-    Returns the subset's logits [..., K, S].
-    """
-    z = h[..., None, :] + silu(einsum("kij,...j->...ki", weight, h) + bias)  # [..., K, H]
-    logits = z @ w_out.T
-    return logits if b_out is None else logits + b_out
-
-
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model with a KV cache of n_seq sequences."""
@@ -84,7 +94,7 @@ class Backend(Protocol):
     path: Path | None  # the model file or folder, when loaded from one
     known_sha256: str | None  # the model file's SHA-256 when its loader knows it (a registry model), else None
     n_threads: int | None  # CPU threads, where the backend has a setting
-    device: str  # where the weights live ("cpu", "cuda")
+    device: str  # where the weights live ("cpu", "cuda"; llama.cpp: "cpu" or its GPU device's name): a cost-cache key
     supports_greedy_draft: bool  # greedy_draft() runs a whole greedy draft on the device
     supports_hidden_states: bool  # forward_batch_hidden() / make_heads() serve draft heads
     supports_tree: bool  # forward_tree() / keep_tree_rows() verify a tree of drafts in one forward
@@ -99,6 +109,12 @@ class Backend(Protocol):
     # greedy generations beside others left their solo text, also verified one token a forward),
     # so no generation is batch-invariant there while other sequences may hold cells.
     kv_shared: bool
+    chat_template: str | None  # the model's own chat template (Jinja source), None when it has none
+    fim_tokens: "FimTokens | None"  # the model's fill-in-the-middle tokens, where it has them
+    prefill_split: int | None  # a long forward's calls (llama.cpp: n_batch tokens); None: one call
+    context: Any  # the ContextChoice it was loaded with (backends.context), None where not chosen by size
+    attention_note: str  # how the attention path was chosen ("" where there is no choice)
+    attention_chosen: bool  # the path was chosen by measurement, not asked for (a seed then decodes plainly)
 
     @property
     def cost_key(self) -> str:
@@ -108,6 +124,10 @@ class Backend(Protocol):
     def weights_note(self) -> str:
         """Where the weights live, for the statistics (llama.cpp: its buffer types and their
         MiB); "" if nothing worth saying."""
+
+    @property
+    def placement(self) -> Placement:
+        """The device the weights run on and how many layers are on a GPU (:class:`Placement`)."""
 
     @property
     def n_vocab(self) -> int:
@@ -140,10 +160,6 @@ class Backend(Protocol):
 
     def token_text(self, token_id: int) -> bytes:
         """The token's vocabulary entry as bytes, control tokens included (for compatibility checks)."""
-
-    @property
-    def chat_template(self) -> str | None:
-        """The model's own chat template (Jinja source), None when it has none."""
 
     def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
         """Render OpenAI-style messages (as :func:`specdecode.messages.template_messages`
@@ -220,6 +236,9 @@ class BackendBase:
     chat_template: str | None = None  # a backend whose model has one overrides this
     fim_tokens: FimTokens | None = None  # the model's fill-in-the-middle tokens (:mod:`.fim`), where it has them
     prefill_split: int | None = None  # a long forward's calls (llama.cpp: n_batch tokens); None: one call
+    context = None  # the ContextChoice a loader sized the context with (None: a backend given as it is)
+    attention_note = ""
+    attention_chosen = False
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len
@@ -277,6 +296,11 @@ class BackendBase:
     def weights_note(self) -> str:
         return ""
 
+    @property
+    def placement(self) -> Placement:
+        """On the CPU where ``device`` is "cpu", else on that device (layers unknown)."""
+        return Placement() if str(self.device) == "cpu" else Placement(str(self.device))
+
     def greedy_draft(self, token_ids: Sequence[int], k: int) -> list[int]:
         raise RuntimeError(f"{type(self).__name__} drafts token by token (supports_greedy_draft is False)")
 
@@ -333,68 +357,3 @@ class BackendBase:
         if not (0 <= n <= have):
             raise ValueError(f"rollback to {n} outside 0..{have}")
         return n < have
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """[N + 1] depths of a tree block's rows (row 0 the root, depth 0; row i + 1 node i, whose
-    parent is parents[i]: -1 the root, else an earlier node). A row's position is the cached
-    length plus its depth. Raises ValueError for a parent that is not an earlier node."""
-    depth = [0]
-    for i, p in enumerate(parents):
-        if not -1 <= int(p) < i:
-            raise ValueError(f"parents[{i}] = {p}: a parent must be -1 or an earlier node")
-        depth.append(depth[int(p) + 1] + 1)
-    return depth
-
-
-def tree_prefix_within(parents: Sequence[int], max_leaves: int) -> int:
-    """The most leading nodes of a tree (parents in topological order) that form a tree of at
-    most max_leaves leaves (a prefix of such a list is always a tree)."""
-    children = [0] * len(parents)
-    leaves = 0
-    for i, p in enumerate(parents):
-        leaves += 1 if p < 0 or children[p] else 0  # a child of a leaf takes its place
-        if p >= 0:
-            children[p] += 1
-        if leaves > max_leaves:
-            return i
-    return len(parents)
-
-
-# Loaded backends a Decoder was given and holds: each holds one sequence's cache of its own.
-_IN_USE: "weakref.WeakSet[Backend]" = weakref.WeakSet()
-
-
-def claim_backends(target, draft) -> list[Backend]:
-    """The loaded backends given (target, draft), claimed for this Decoder: one holds one
-    sequence's cache, so it serves one Decoder, as target or draft model, not both.
-    Raises SpecDecodeError naming the backend otherwise."""
-    given = [b for b in (target, draft) if isinstance(b, Backend)]
-    if len(given) == 2 and given[0] is given[1]:
-        raise SpecDecodeError(f"draft and target are the same backend {target.name}: each holds its own cache, "
-                              f"so the draft model needs a backend of its own (wrap the module again)",
-                              param="draft")
-    for b, param in zip(given, ["target", "draft"] if isinstance(target, Backend) else ["draft"]):
-        if b in _IN_USE:
-            raise SpecDecodeError(f"{param} {b.name} is in use by another Decoder (a backend holds one "
-                                  f"sequence's cache): close that Decoder first, or give this one a backend of "
-                                  f"its own (ModuleBackend over the same module)", param=param)
-    _IN_USE.update(given)
-    return given
-
-
-def release_backends(backends) -> None:
-    """Free backends claimed by :func:`claim_backends` (a Decoder closed or failed to start)."""
-    _IN_USE.difference_update(backends)
-
-
-def check_finite_logits(target: "Backend", row: np.ndarray) -> None:
-    """One row of a step's logits [V] (one pass, ~20 us for 150k): a NaN, a +inf, or -inf
-    for every token (-inf outside an output subset is fine) means corrupt weights, named
-    here rather than sampled from (a NaN row's argmax is token 0; sampling it fails with a
-    zero-mass distribution). The step's last row is the one to check: in a causal model a
-    NaN at one position reaches every later one through attention. Raises ModelFileError
-    naming the model."""
-    if not np.isfinite(row.max()):
-        raise ModelFileError(f"model {target.name} gave non-finite logits (NaN or infinity): its weights are corrupt, "
-                             "or the file is not the model it claims to be")

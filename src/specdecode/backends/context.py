@@ -62,16 +62,18 @@ def _size(n: float) -> str:
 
 def choose_context(asked: int | None, trained: int, kv_bytes: int, slots: int, name: str,
                    available: int | None, reserve: float = 1.0,
-                   fraction: float = KV_MEMORY_FRACTION) -> ContextChoice:
+                   fraction: float = KV_MEMORY_FRACTION, memory_label: str = "available") -> ContextChoice:
     """The context of a model ``name`` trained for ``trained`` tokens (0: unknown) whose KV cache
     takes kv_bytes a token, for ``slots`` sequences; ``asked``: the caller's context (None: the
-    default). available: bytes of memory free now (None: unknown, no cap). reserve: the caches
-    to fit, in units of this model's (2.0: room for a draft model's as large again)."""
+    default). available: bytes of memory free now (None: unknown, no cap): the machine's, or a
+    GPU's where the cache is there (memory_label then says so: "free on CUDA0"). reserve: the
+    caches to fit, in units of this model's (2.0: room for a draft model's as large again)."""
     per_token = max(1, kv_bytes) * slots * reserve
     share = f"{_size(kv_bytes)} a token x {slots} slot{'s' if slots > 1 else ''}"
     if reserve > 1:
         share += f" x {reserve:g} for a draft model's"
-    free = f"{_size(available)} available" if available is not None else "available memory unknown"
+    free = (f"{_size(available)} {memory_label}" if available is not None else
+            "available memory unknown" if memory_label == "available" else f"memory {memory_label} unknown")
     if asked is not None:
         if trained > 0 and asked > trained:
             return ContextChoice(trained, f"context {trained} tokens: {asked} were asked, but {name} was trained "

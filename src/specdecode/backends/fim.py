@@ -139,7 +139,7 @@ def check_extra(extra, param: str = "extra") -> tuple[tuple[str, str], ...]:
 
 def require_fim_tokens(backend: Tokenizing, param: str = "suffix") -> FimTokens:
     """The backend's FIM tokens; SpecDecodeError (param) naming the model where it has none."""
-    tokens = getattr(backend, "fim_tokens", None)
+    tokens = backend.fim_tokens
     if tokens is None:
         raise SpecDecodeError(f"the model {backend.name} has no fill-in-the-middle tokens (a prefix, a suffix and a "
                               "middle token, such as Qwen2.5-Coder's <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>): "

@@ -44,7 +44,8 @@ import numpy as np
 
 from ..errors import SpecDecodeError
 from ..limits import MAX_THREADS, is_index
-from .base import BackendBase, HiddenRows, SeqForward, residual_heads
+from .base import BackendBase, HiddenRows, SeqForward
+from .residual_heads import residual_heads
 
 # Elements of each parameter hashed into the cost key (strided over the tensor): enough to
 # tell two trainings of one architecture apart without reading a large model's every weight.

@@ -37,7 +37,7 @@ def is_padding(backend: Backend, token_id: int) -> bool:
     """Whether a token can never be part of a text: it renders as no bytes (padding, an
     unused or a control token: llama.cpp's UNUSED, CONTROL and UNKNOWN types; ids past a
     Hugging Face tokenizer) and does not end generation."""
-    return backend.token_bytes(token_id) == b"" and token_id not in getattr(backend, "eog_ids", ())
+    return backend.token_bytes(token_id) == b"" and token_id not in backend.eog_ids
 
 
 def _texts_blob(backend: Backend, n: int) -> tuple[bytes, list[int]]:
@@ -123,7 +123,7 @@ def check_vocab_compatible(draft: Backend, target: Backend, show: int = 5) -> No
     (the first differing shared ids, or the first extra ids that are not padding).
     """
     nd, nt = draft.n_vocab, target.n_vocab
-    if not (getattr(draft, "has_text", True) and getattr(target, "has_text", True)):
+    if not (draft.has_text and target.has_text):
         _check_codebooks(draft, target)
         return
     sizes = f"draft vocabulary {nd} != target vocabulary {nt} (draft {draft.name}, target {target.name})"
@@ -166,7 +166,7 @@ def _check_codebooks(draft: Backend, target: Backend) -> None:
     """Models over codes (no text, :class:`specdecode.backends.module.ModuleBackend`): the
     draft must have the target's codebook, by name and size (codes carry no text to compare,
     and no padding)."""
-    names = [getattr(b, "codebook", "text") if not getattr(b, "has_text", True) else "a text vocabulary"
+    names = [getattr(b, "codebook", "text") if not b.has_text else "a text vocabulary"
              for b in (draft, target)]
     if names[0] != names[1] or draft.n_vocab != target.n_vocab:
         raise IncompatibleVocabularyError(

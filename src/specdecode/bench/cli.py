@@ -68,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         per_category=args.per_category, max_tokens=args.max_tokens, sampling=sampling_from_args(args),
         n_ctx=args.ctx_size, n_threads=args.threads, backend=args.backend, draft_backend=args.draft_backend,
         dtype=args.dtype, device=args.device, draft_vocab=args.draft_vocab, peer=args.peer,
+        gpu_layers=args.gpu_layers, draft_gpu_layers=args.draft_gpu_layers,
         progress=not args.quiet, background_load=args.background_load,
         prediction=read_input(args.prediction_file, "--prediction-file") if args.prediction_file else None,
         max_tree_nodes=args.max_tree_nodes, tree_width=args.tree_width, vary=args.vary,
@@ -146,5 +147,5 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         per_category=args.per_category, max_tokens=args.max_tokens, long_prompt_tokens=args.long_prompts,
         progress=not args.quiet,
         extra=dict(backend=args.backend, draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
-                   draft_vocab=args.draft_vocab))
+                   draft_vocab=args.draft_vocab, gpu_layers=args.gpu_layers, draft_gpu_layers=args.draft_gpu_layers))
     return _report(args, run_serve_bench(cfg), write_serve_outputs, print_serve_table)

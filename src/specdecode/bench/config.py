@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..assembly import registry
 from ..errors import SpecDecodeError
-from ..limits import (DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_TREE_WIDTH, check_max_tree_nodes,
+from ..limits import (DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GPU_LAYERS, DEFAULT_TREE_WIDTH, check_gpu_layers,
+                      check_max_tree_nodes,
                       check_tree_width)
 from ..sampling import SamplingParams
 from ..drafters.kinds import uses_option
@@ -37,6 +38,8 @@ class BenchConfig:
         within memory). n_threads: CPU threads (None: all cores).
     backend, draft_backend: "auto", "llama.cpp" or "torch"; dtype, device: for the torch
         backend; draft_vocab: see :class:`specdecode.drafters.ModelDrafter` (0 = all).
+    gpu_layers, draft_gpu_layers: the target's and a GGUF draft model's layers on llama.cpp's
+        GPU (:class:`specdecode.Decoder`).
     peer: also time the peers. progress: progress bars on stderr.
     background_load: run beside a CPU load of this fraction of the machine (0 < F <= 1;
         None: none).
@@ -69,6 +72,8 @@ class BenchConfig:
     dtype: str = DEFAULT_DTYPE
     device: str = DEFAULT_DEVICE
     draft_vocab: int | str = 0
+    gpu_layers: int | str = DEFAULT_GPU_LAYERS
+    draft_gpu_layers: int | str = DEFAULT_GPU_LAYERS
     peer: bool = True
     progress: bool = True
     background_load: float | None = None
@@ -86,6 +91,8 @@ class BenchConfig:
             raise SpecDecodeError("configs is empty: give at least one DRAFT:K", param="configs")
         for c in self.configs:
             parse_config(c)
+        object.__setattr__(self, "gpu_layers", check_gpu_layers(self.gpu_layers))
+        object.__setattr__(self, "draft_gpu_layers", check_gpu_layers(self.draft_gpu_layers, "draft_gpu_layers"))
         self.check_draft_options()
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens = {self.max_tokens} is out of range: expected >= 1", param="max_tokens")
@@ -106,13 +113,15 @@ class BenchConfig:
         ``draft``: each one it uses, the others left at "not given" (a bench of a draft model
         beside prompt lookup applies ``--draft-backend`` to the model only)."""
         return {"draft_vocab": self.draft_vocab if uses_option(draft, "draft_vocab") else 0,
-                "draft_backend": self.draft_backend if uses_option(draft, "draft_backend") else "auto"}
+                "draft_backend": self.draft_backend if uses_option(draft, "draft_backend") else "auto",
+                "draft_gpu_layers": self.draft_gpu_layers if uses_option(draft, "draft_gpu_layers") else "auto"}
 
     def check_draft_options(self) -> None:
         """A draft option given that no configuration's drafter uses is refused, naming it.
         Raises SpecDecodeError."""
         drafts = [d for d, _ in self.parsed_configs()]
-        for name, value in (("draft_vocab", self.draft_vocab), ("draft_backend", self.draft_backend)):
+        for name, value in (("draft_vocab", self.draft_vocab), ("draft_backend", self.draft_backend),
+                            ("draft_gpu_layers", self.draft_gpu_layers)):
             if value and value != "auto" and not any(uses_option(d, name) for d in drafts):
                 raise SpecDecodeError(f"{name} = {value!r} applies to a draft model; no configuration has one "
                                       f"(drafts {', '.join(map(repr, drafts))})", param=name)

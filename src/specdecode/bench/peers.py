@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Iterator, Mapping, Protocol, Sequence
 
 from ..assembly import registry
-from ..backends.base import Backend
+from ..backends.base import Backend, Placement
 from ..backends.llama_cpp import LlamaCppBackend
-from ..backends.llama_buffers import ModelBuffers, resolve_buffers
+from ..backends.llama_cpp.buffers import ModelBuffers, resolve_buffers
 from ..engine import SpeculativeEngine
 
 # Tokens each peer drafts per step: LlamaPromptLookupDecoding's default, and the value of
@@ -49,7 +49,7 @@ def _llama_model_params(placement: ModelBuffers) -> Iterator[None]:
     ``llama_cpp.llama_cpp.llama_model_default_params()`` and hands them straight to the
     model loader; it has no argument for either and no way to pass model params (``**kwargs``
     is ignored). Without it the peer would put weights in the AMX buffer that crashes
-    (:mod:`specdecode.backends.llama_buffers`). So the default-params function is wrapped for
+    (:mod:`specdecode.backends.llama_cpp.buffers`). So the default-params function is wrapped for
     the peer's own load only and restored however the load ends.
     """
     import llama_cpp.llama_cpp as lib  # the module Llama.__init__ calls into
@@ -71,20 +71,23 @@ def _llama_model_params(placement: ModelBuffers) -> Iterator[None]:
 class PromptLookupPeer:
     """llama-cpp-python's own prompt-lookup decoding on the same GGUF (greedy).
 
-    path: the GGUF file. n_ctx: context window in tokens. n_threads: CPU threads.
+    path: the GGUF file. n_ctx: context window in tokens. n_threads: CPU threads. placement:
+    where the target's layers run (the peer's go where they do: as many on the GPU).
     Raises whatever llama-cpp-python raises when the model cannot load (ValueError).
     """
 
-    def __init__(self, path: Path, n_ctx: int, n_threads: int, num_pred_tokens: int = PEER_NUM_PRED_TOKENS):
+    def __init__(self, path: Path, n_ctx: int, n_threads: int, num_pred_tokens: int = PEER_NUM_PRED_TOKENS,
+                 placement: Placement = Placement()):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        with _llama_model_params(resolve_buffers(path, n_threads)):
+        on_gpu = placement.gpu_layers
+        with _llama_model_params(resolve_buffers(path, n_threads, placement.n_layers - on_gpu if on_gpu else None)):
             # logits_all=True: with a draft model Llama evaluates many positions per call, but
             # sizes its score buffer from this argument (n_batch rows otherwise, which
             # overflows on prompts longer than n_batch).
             self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                             logits_all=True,
+                             logits_all=True, n_gpu_layers=on_gpu,
                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens), verbose=False)
 
     def run(self, ids: list[int], max_tokens: int, assisted: bool = False) -> tuple[int, float]:
@@ -157,7 +160,7 @@ class TransformersPeer:
 def torch_draft_model(engines: Mapping[str, SpeculativeEngine]):
     """The torch module of the first draft model on the torch backend among the engines'
     drafters (as their ``draft_backends()`` declare them), or None."""
-    from ..backends.torch_backend import TorchBackend
+    from ..backends.torch import TorchBackend
 
     for eng in engines.values():
         for backend in eng.drafter.draft_backends():
@@ -176,7 +179,8 @@ def start_peer(target: Backend, target_name: str, engines: Mapping[str, Speculat
     warm = list(warm_ids)
     if isinstance(target, LlamaCppBackend):
         try:
-            peer = PromptLookupPeer(registry.resolve(target_name), min(n_ctx, PEER_MAX_N_CTX), target.n_threads)
+            peer = PromptLookupPeer(registry.resolve(target_name), min(n_ctx, PEER_MAX_N_CTX), target.n_threads,
+                                    placement=target.placement)
             peer.run(warm, 8)
             return (peer, f"llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens={PEER_NUM_PRED_TOKENS}), "
                           "temperature 0", False)

@@ -78,7 +78,8 @@ def open_decoder(config: BenchConfig) -> Decoder:
     engines are built on its target). Raises what :class:`specdecode.Decoder` raises."""
     return Decoder(target=config.target, draft="none", num_speculative_tokens=0, n_ctx=config.n_ctx,
                    n_threads=config.n_threads, progress=config.progress, backend=config.backend,
-                   dtype=config.dtype, device=config.device, max_tree_nodes=config.max_tree_nodes or None)
+                   dtype=config.dtype, device=config.device, max_tree_nodes=config.max_tree_nodes or None,
+                   gpu_layers=config.gpu_layers)
 
 
 def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, SpeculativeEngine],
@@ -95,7 +96,7 @@ def _build_engines(config: BenchConfig, target: Backend, engines: dict[str, Spec
         given = config.draft_options(draft)
         if draft_vocab is not None and uses_option(draft, "draft_vocab"):
             given["draft_vocab"] = draft_vocab
-        opts.update(draft_vocab=given["draft_vocab"], backend=given["draft_backend"])
+        opts.update(draft_vocab=given["draft_vocab"], backend=given["draft_backend"], gpu_layers=given["draft_gpu_layers"])
         choice = resolve(draft, k)
         # With trees, CONFIG+trees gets drafters of its own: a lookup in earlier requests (suffix)
         # must not find the answer that CONFIG's run of the same prompt just gave.
@@ -314,7 +315,7 @@ def run_bench(config: BenchConfig) -> dict:
     names += [c for c in dict.fromkeys(run_label(r["config"], r["vary"]) for r in rows) if c not in names]
     curve = variants[0].curve
     meta = {"target": config.target, "prompts": len(prompts), "temperature": config.sampling.temperature,
-            "threads": getattr(target, "n_threads", None), "weights": getattr(target, "weights_note", ""),
+            "threads": target.n_threads, "weights": target.weights_note,
             "cpu": cpu_name(), "peak_rss_mb": round(rss, 1), "rss_before_peer_mb": round(rss_specdecode, 1),
             "configs": names, "peer": peer_note, "prompts_file": str(config.prompts or "built-in suite"),
             "cost_curve": curve.to_dict() if curve is not None else None,
@@ -332,7 +333,7 @@ def fim_served(prompts: list[BenchPrompt], target: Backend) -> tuple[list[BenchP
     without fill-in-the-middle tokens skips the fill-in-the-middle prompts (the ``fim``
     category), and the note is printed on stderr. Raises SpecDecodeError, naming the target,
     when no prompt is left."""
-    if getattr(target, "fim_tokens", None) is not None or not any(p.fim for p in prompts):
+    if target.fim_tokens is not None or not any(p.fim for p in prompts):
         return prompts, None
     cats = ", ".join(dict.fromkeys(p.category for p in prompts if p.fim))
     note = (f"{sum(p.fim for p in prompts)} fill-in-the-middle prompt(s) ({cats}) skipped: the target "

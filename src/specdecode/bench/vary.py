@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..backends.llama_buffers import BUFFER_CHOICES, BUFFERS_ENV, LEGACY_REPACK_ENV
-from ..backends.llama_lib import FLASH_ATTENTION_ENV, FLASH_ATTENTION_MODES
+from ..backends.llama_cpp.buffers import BUFFER_CHOICES, BUFFERS_ENV, LEGACY_REPACK_ENV
+from ..backends.llama_cpp.lib import FLASH_ATTENTION_ENV, FLASH_ATTENTION_MODES
 from ..errors import SpecDecodeError
 from ..limits import BATCH_INVARIANCE, DRAFT_VOCAB_METHODS, SAMPLING_RULES
 from ..sampling import SamplingParams
@@ -149,8 +149,8 @@ def check_loaded(setting: Setting, value: str, target) -> str:
         raise SpecDecodeError(f"--vary {setting.name}={value}: the target loaded with {setting.name} {got}",
                               param="--vary")
     if setting.name == "buffers":
-        return getattr(target, "weights_note", "")
-    why = getattr(target, "attention_note", "")
+        return target.weights_note
+    why = target.attention_note
     return f"flash attention {got}" + (f" ({why})" if value == MEASURED and why else "")
 
 

@@ -14,6 +14,9 @@ Without flash attention no block of two or more rows has bitwise the logits of o
 (the measured invariant block is 1; it is measured per path, the path being part of the cost
 key): strict and seeded requests stay exact by verifying one token a forward.
 
+Everything above is the CPU's: where llama.cpp runs a model's layers on a GPU, its own choice
+(flash attention on, where the device supports it) is the fast path and nothing is measured.
+
 Units: seconds, tokens.
 """
 
@@ -23,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..backends.llama_lib import attention_requested
+from ..backends.llama_cpp.lib import attention_requested
 from .context_costs import ContextCosts, cached_context_costs, context_cost_steps, fitting, read_cached_context_costs
 
 PATHS = ("auto", "off")  # llama.cpp's own (flash attention on the CPU), and off
@@ -70,8 +73,16 @@ def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None =
     :func:`choose_attention` prefers. A window too short for any context keeps llama.cpp's own.
     timer: seconds (a test's clock); say: a line before measuring (default: stderr). measure
     False (a server, which answers at once): from the cache only; where either path's costs are
-    not cached, llama.cpp's own path, and the note says so."""
-    if attention_requested() or not hasattr(backend, "use_attention") or not fitting(backend)[0]:
+    not cached, llama.cpp's own path, and the note says so. Where layers are on a GPU
+    (``backend.placement``) nothing is measured: llama.cpp's own path (flash attention where the
+    device has it) is the fast one there."""
+    if attention_requested():
+        return
+    if not backend.placement.on_cpu:  # the rule below is the CPU kernels'; on a GPU llama.cpp's own path is the fast one
+        backend.use_attention("auto", f"llama.cpp's own: the layers are on {backend.placement.device}, where its "
+                                      "flash attention is the fast path (the CPU's measured rule does not apply)")
+        return
+    if not fitting(backend)[0]:
         return
     told = []
 

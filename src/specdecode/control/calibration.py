@@ -166,7 +166,7 @@ class Calibration:
         invariant block is not known, so that the seed's text is the one it will be once it is:
         plain one-token steps, where "auto" would otherwise verify as usual."""
         self._touched = True
-        if not options.invariant or self.invariant_block is not None or getattr(self.target, "kv_shared", False):
+        if not options.invariant or self.invariant_block is not None or self.target.kv_shared:
             return options
         self._want_invariance()
         return replace(options, batch_invariant="on") if options.batch_invariant == "auto" else options

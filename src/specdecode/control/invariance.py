@@ -6,7 +6,7 @@ Kernels choose their arithmetic by shape. On llama.cpp's CPU backend (measured o
 with AVX-512, Qwen2.5-Coder-1.5B Q4_K_M, ``python benchmarks/invariance_probe.py``,
 ``python benchmarks/batched_numerics.py`` and the probe below): repacked Q4_K weights run one
 kernel below 4 rows and another from 4 on; the tiled K-quant matmul starts at 8 rows
-(repacking off); flash attention (when on: :func:`specdecode.backends.llama_lib.flash_attention`)
+(repacking off); flash attention (when on: :func:`specdecode.backends.llama_cpp.lib.flash_attention`)
 splits a lone query's KV range of >= 512 cells among the threads and merges the parts, which no
 block of two or more rows does. In batch-invariant mode (:meth:`Backend.set_batch_invariant`)
 llama.cpp runs one-token forwards on one thread, and a block of up to 3 rows then has bitwise
@@ -41,7 +41,7 @@ def check_strict_allowed(target: Backend, param: str = "batch_invariant") -> Non
     sequences have KV caches of their own. In one shared buffer what runs beside a generation
     changes its arithmetic (measured), so no forward there is batch-invariant. Raises
     SpecDecodeError (param: the option that asked) otherwise."""
-    if getattr(target, "kv_shared", False):  # (a test double may not declare it)
+    if target.kv_shared:
         raise SpecDecodeError(
             f"strict mode (batch_invariant \"on\") needs a KV cache of its own for each sequence: {target.name} "
             f"holds {target.n_seq} sequences in one shared buffer, where what runs beside a generation changes its "

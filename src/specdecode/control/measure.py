@@ -249,6 +249,11 @@ class _CpuClock:
         return float(min(1.0, max(0.0, busy / total))) if total > 0 else None
 
 
+def _unread() -> None:
+    """No reading of the machine's CPU times (a model whose layers run on a GPU)."""
+    return None
+
+
 def drive(steps: Generator[None, "bool | None", T]) -> T:
     """Run a measurement made of steps to its end, nothing else touching the backend meanwhile,
     and return its result. A measurement of steps (:func:`curve_steps`) is a generator that
@@ -312,7 +317,8 @@ def measure_forward_curve(backend: Backend, ns: Sequence[int], context: int = 64
     The backend's caches are restored to empty afterwards. A small context window (a few
     dozen tokens) shortens the context and measures only the sizes that fit in it (a step
     can never verify more); the curve extrapolates beyond them. timer: seconds (a test's
-    scripted clock); cpu_times: what tells a busy machine (:func:`read_cpu_times`).
+    scripted clock); cpu_times: what tells a busy machine (:func:`read_cpu_times`; not read for
+    a backend whose layers run on a GPU, ``placement``: the CPU's load says nothing of its forwards).
     """
     return drive(curve_steps(backend, ns, context, rounds, retries, timer, cpu_times))
 
@@ -335,7 +341,8 @@ def curve_steps(backend: Backend, ns: Sequence[int], context: int = 64, rounds: 
     rng = np.random.default_rng(0)
     base = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=context)]
     used = min(backend.n_seq, -(-max(ns) // block))
-    clock = _CpuClock(cpu_times).start()
+    # Other processes' CPU time says a CPU-bound forward was slowed; a model on a GPU is not judged by it.
+    clock = _CpuClock(cpu_times if backend.placement.on_cpu else _unread).start()
     shapes = {}
     for n in ns:
         toks = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=n)]

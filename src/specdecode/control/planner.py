@@ -94,7 +94,7 @@ def tree_budget(drafter: Drafter, requested: int | None, default: int | None, ta
     under the cost-aware controller each tree is then cut to the prefix that pays.
     Raises SpecDecodeError (param max_tree_nodes) when trees are asked of such a target."""
     nodes = requested if requested is not None else default
-    verifies = getattr(target, "supports_tree", False)
+    verifies = target.supports_tree
     if nodes and not verifies:
         raise SpecDecodeError(f"max_tree_nodes = {nodes}: {target.name} was loaded to verify chains only; load it "
                               f"with trees (Decoder(max_tree_nodes=N), --max-tree-nodes N) or ask for 0",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.base import tree_depths
+from ..backends.tree_shape import tree_depths
 from ..drafters.base import Draft, HiddenStateDrafter, IncrementalDrafter
 
 

@@ -38,7 +38,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, common_prefix_len
+from ..backends.base import Backend
+from ..backends.sharing import common_prefix_len
 from ..backends.vocab_map import VocabMap, build_vocab_map, render
 from ..errors import IncompatibleVocabularyError, SpecDecodeError
 from ..sampling import Sampler
@@ -163,7 +164,7 @@ class CrossVocabDrafter(OwnedDraftModel):
         if method not in (*METHODS, "auto"):
             raise SpecDecodeError(f"draft vocabulary method {method!r} is unknown: expected 'slem', 'tli' or 'auto'",
                                   param="draft_vocab")
-        if not (getattr(backend, "has_text", True) and getattr(target, "has_text", True)):
+        if not (backend.has_text and target.has_text):
             raise IncompatibleVocabularyError(f"draft {backend.name} and target {target.name}: drafting across "
                                               f"vocabularies needs two models over text")
         self.backend, self.target, self.method, self.seq = backend, target, method, seq

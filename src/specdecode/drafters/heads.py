@@ -7,7 +7,7 @@ predicts x_{t+1}, the bonus token of the step that produced h_t):
 
     z_k = h_t + SiLU(W_k h_t + b_k),    logits_k = W_out[S] z_k (+ b_out[S])    (W_k: [H, H], b_k: [H])
 
-(one function computes it wherever heads run: :func:`specdecode.backends.base.residual_heads`).
+(one function computes it wherever heads run: :func:`specdecode.backends.residual_heads.residual_heads`).
 W_out is the target's frozen output projection (with its bias b_out, where it has one), restricted to a vocabulary subset S (the
 tokens most frequent among the training labels, as FR-Spec restricts a draft's head:
 cheaper heads and training, and a rare token could not be drafted well anyway); logits of
@@ -153,7 +153,7 @@ class DraftHeads:
             trained_for = self.meta.get("target_name", "?")
             if trained_for == target.name:
                 trained_for = f"another file named {trained_for}"
-            how = (f"'specdecode heads train --target {target.name}'" if getattr(target, "has_text", True) else
+            how = (f"'specdecode heads train --target {target.name}'" if target.has_text else
                    "specdecode.heads.train.train_heads_on_ids")
             raise HeadsMismatchError(
                 f"{path} was trained for target {trained_for} (SHA-256 {want[:16]}...), "

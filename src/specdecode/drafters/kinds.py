@@ -72,7 +72,7 @@ class DrafterKind:
     name: the kind's name (and how ``--draft`` names it, with ``:ARG`` when ``arg`` is set).
     usage, help: for the ``--draft`` help. build: the drafter for a request.
     arg: the meaning of ``NAME:ARG`` ("" for a kind that takes none).
-    options: the draft options it uses ("draft_backend", "draft_vocab"); any other given
+    options: the draft options it uses ("draft_backend", "draft_vocab", "draft_gpu_layers"); any other given
         with it is refused by name. cost_s: the controller's starting cost per drafted token
         (seconds); None: measured (a draft model). in_auto: a free lookup that ``auto``
         always drafts with (and the bench's oracle replays). parallel: forks for
@@ -115,7 +115,7 @@ def _model(req: DraftRequest) -> Drafter:
             return ModelDrafter(backend, target=req.target, vocab_subset=0 if method != "auto" else int(req.draft_vocab))
         except IncompatibleVocabularyError:
             if req.draft_vocab not in (0, *DRAFT_VOCAB_METHODS) or not (
-                    getattr(backend, "has_text", True) and getattr(req.target, "has_text", True)):
+                    backend.has_text and req.target.has_text):
                 raise
             return CrossVocabDrafter(backend, req.target, method=str(method))
     except SpecDecodeError:
@@ -125,7 +125,7 @@ def _model(req: DraftRequest) -> Drafter:
 
 MODEL = DrafterKind("model", "NAME|PATH", "a draft model: registry name, .gguf path or Hugging Face folder (of "
                     "another tokenizer too: --draft-vocab)",
-                    _model, options=frozenset({"draft_backend", "draft_vocab"}), cost_s=None)
+                    _model, options=frozenset({"draft_backend", "draft_vocab", "draft_gpu_layers"}), cost_s=None)
 
 KINDS: tuple[DrafterKind, ...] = (
     DrafterKind("none", "none", "plain decoding", lambda req: NoDrafter(), cost_s=0.0),

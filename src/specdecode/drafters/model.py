@@ -10,7 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, common_prefix_len
+from ..backends.base import Backend
+from ..backends.sharing import common_prefix_len
 from ..errors import SpecDecodeError
 from ..sampling import Sampler
 from ..backends.vocab import check_vocab_compatible

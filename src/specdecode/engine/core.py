@@ -10,7 +10,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, SeqForward, tree_prefix_within
+from ..backends.base import Backend, SeqForward
+from ..backends.tree_shape import tree_prefix_within
 from ..control.invariance import check_strict_allowed, measure_invariant_block
 from ..control.planner import plan_batch, tree_budget
 from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter, StepOutcome
@@ -134,7 +135,7 @@ class SpeculativeEngine:
                          options.invariant)
         if options.batch_invariant == "on":
             check_strict_allowed(self.target)
-        elif gen.invariant and getattr(self.target, "kv_shared", False):
+        elif gen.invariant and self.target.kv_shared:
             gen.invariant = False  # "auto" (a seed) verifies as usual where strict is not allowed
         if gen.invariant:
             block = self.forwards.invariant_block(where)
@@ -143,7 +144,7 @@ class SpeculativeEngine:
             # specdecode itself chose that path (flash attention off by measurement): then plain
             # steps, so that a seed's promise is not broken by a choice the user did not make.
             gen.invariant = block >= 2 or options.batch_invariant == "on"
-            plain = not gen.invariant and getattr(self.target, "attention_chosen", False)
+            plain = not gen.invariant and self.target.attention_chosen
             if plain:
                 gen.k, gen.drafter = 0, self._plain
             out.stats.invariant_block = block if gen.invariant else 1 if plain else 0  # 1: plain steps
@@ -306,7 +307,9 @@ class SpeculativeEngine:
         finally:
             slot.gen = None
             out.stats.controller_note = gen.drafter.explain()
-            out.stats.weights = getattr(self.target, "weights_note", "")  # (fakes in tests may lack it)
+            out.stats.weights = self.target.weights_note
+            out.stats.placement = self.target.placement.to_dict()
+            out.stats.draft_placements = [{"name": b.name, **b.placement.to_dict()} for b in gen.drafter.draft_backends()]
             if (counts := gen.drafter.input_counts()) is not None:
                 out.stats.accepted_prediction_tokens, out.stats.rejected_prediction_tokens = counts
         tail = out.end("length")

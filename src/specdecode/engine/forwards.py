@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, SeqForward, check_finite_logits
+from ..backends.base import Backend, SeqForward
+from ..backends.checks import check_finite_logits
 from ..drafters.base import HiddenStateDrafter
 
 

@@ -11,7 +11,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..backends.base import HiddenRows, common_prefix_len
+from ..backends.base import HiddenRows
+from ..backends.sharing import common_prefix_len
 from ..drafters.base import Drafter
 from ..output import OutputAccumulator
 from ..sampling import Sampler

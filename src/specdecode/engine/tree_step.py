@@ -7,7 +7,8 @@ Dimension letters: N = drafted nodes, A = nodes of the accepted path, V = vocabu
 
 from __future__ import annotations
 
-from ..backends.base import Backend, HiddenRows, check_finite_logits
+from ..backends.base import Backend, HiddenRows
+from ..backends.checks import check_finite_logits
 from ..drafters.base import HiddenStateDrafter
 from ..output import top2_gap
 from ..verify import VerifyResult, verify_tree

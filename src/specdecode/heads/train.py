@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..backends.base import residual_heads
+from ..backends.residual_heads import residual_heads
 from ..drafters.heads import MAX_HEADS, DraftHeads, heads_meta
 from ..errors import SpecDecodeError
 
@@ -185,7 +185,7 @@ def train_heads(backend, cfg: TrainConfig, progress: bool = True,
     import torch
     from tqdm import tqdm
 
-    from ..backends.torch_backend import TorchBackend
+    from ..backends.torch import TorchBackend
 
     check_config(cfg)
     if not isinstance(backend, TorchBackend):

@@ -20,7 +20,7 @@ from . import infill
 from .config import ServerOptions
 from .metrics import Metrics
 from .ollama import OllamaRoutes
-from .page import UI_FILES, cost_view, info_view, ui_file
+from .page import UI_FILES, cost_view, info_view, placement_view, ui_file
 from .protocol import APIError, json_repr, parse_json_body, parse_request
 from .responses import full_response, stream
 from .responses_api import ResponseStore, ResponsesRequest, parse_responses, rename_error
@@ -356,7 +356,8 @@ class _Routes:
         return JSONResponse({"status": "ok", "model": self.model_name, "waiting": w.queue_len(),
                              "running": w.running(), "slots": w.slots, "max_queue": self.options.max_queue,
                              "replica": self.app.state.replica,
-                             "measuring": calibration.measuring() if calibration is not None else []})
+                             "measuring": calibration.measuring() if calibration is not None else [],
+                             "runs_on": placement_view(self.decoder)["runs_on"]})
 
     async def prometheus_metrics(self, request: Request) -> Response:
         from fastapi.responses import Response

@@ -171,8 +171,8 @@ def _serve_on_ray(args: argparse.Namespace, options: ServerOptions) -> int:
     """--replicas / --autoscaling: the app as a Ray Serve deployment (server.ray_serve)."""
     from .ray_serve import serve_replicas
 
-    from ..backends.llama_buffers import requested_buffers
-    from ..backends.llama_lib import default_threads, flash_attention
+    from ..backends.llama_cpp.buffers import requested_buffers
+    from ..backends.llama_cpp.lib import default_threads, flash_attention
 
     check_model_args(args)
     flash_attention(), requested_buffers()  # a bad llama.cpp setting is named here, not by a failed deployment

@@ -353,7 +353,7 @@ async def serve(routes: Any, request: Any, sse_class: Any) -> Any:
     clock = getattr(routes.app.state, "infill_clock", None) or time.perf_counter
 
     def parse(body: Any) -> GenRequest:
-        fim_model = getattr(routes.decoder.target, "fim_tokens", None) is not None
+        fim_model = routes.decoder.target.fim_tokens is not None
         parsed.append(parse_infill(body, routes.model_name, routes.worker.n_ctx, fim_model, clock,
                                    routes.options.strict))
         return parsed[0].req

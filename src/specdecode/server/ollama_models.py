@@ -176,13 +176,13 @@ def model_card(target: Any, name: str, n_ctx: int, tools: bool, started: float) 
     """The card of a loaded target backend served as ``name`` with a context of n_ctx tokens.
     tools: whether its chat template teaches a tool-call format. started: when the server
     started (seconds since the epoch), the time shown for a model not loaded from a file."""
-    path = getattr(target, "path", None)
+    path = target.path
     is_file = path is not None and Path(path).is_file()
     meta = gguf_metadata(Path(path)) if is_file else {}
     size = Path(path).stat().st_size if is_file else 0
     mtime = Path(path).stat().st_mtime if is_file else started
-    digest = getattr(target, "known_sha256", None) or hashlib.sha256(f"{name}\0{size}\0{mtime}".encode()).hexdigest()
-    fim = getattr(target, "fim_tokens", None)
+    digest = target.known_sha256 or hashlib.sha256(f"{name}\0{size}\0{mtime}".encode()).hexdigest()
+    fim = target.fim_tokens
     fim_texts = None
     if fim is not None:
         fim_texts = tuple(target.token_text(t).decode("utf-8", "replace") for t in (fim.pre, fim.suf, fim.mid))

@@ -30,13 +30,26 @@ def ui_file(path: str) -> tuple[bytes, str]:
 
 def info_view(decoder: Any, model_name: str) -> dict:
     """What the page shows of the loaded pair: the model id, the draft option it was loaded
-    with, the drafters a request may name (``speculative.draft``), K and whether the target
-    verifies trees of drafts."""
+    with, the drafters a request may name (``speculative.draft``), K, whether the target
+    verifies trees of drafts, and where the models run (:func:`placement_view`)."""
     drafter = decoder.drafter
     names = [m.name for m in drafter.members()] or ([drafter.name] if drafter.name != "none" else [])
     return {"model": model_name, "draft": decoder.draft_name, "drafters": names,
             "num_speculative_tokens": decoder.engine.num_speculative_tokens,
-            "trees": bool(getattr(decoder.target, "supports_tree", False)), "n_ctx": decoder.target.n_ctx}
+            "trees": decoder.target.supports_tree, "n_ctx": decoder.target.n_ctx, **placement_view(decoder)}
+
+
+def placement_view(decoder: Any) -> dict:
+    """Where the models run: the target's ``device`` (llama.cpp's device name, "CPU" where none),
+    ``gpu_layers`` of ``n_layers``, ``device_description`` (the card), ``draft_models`` the same
+    for each draft model with its ``name``, and ``runs_on``, all of it in words."""
+    target = decoder.target.placement
+    drafts = [{"name": b.name, **b.placement.to_dict(), "device_description": b.placement.description}
+              for b in decoder.drafter.draft_backends()]
+    words = [f"target {target.words()}"] + [f"draft model {b.name} {b.placement.words()}"
+                                            for b in decoder.drafter.draft_backends()]
+    return {**target.to_dict(), "device_description": target.description, "draft_models": drafts,
+            "runs_on": "; ".join(words)}
 
 
 def cost_view(decoder: Any, model_name: str) -> dict:

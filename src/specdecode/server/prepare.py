@@ -134,7 +134,7 @@ def fim_fields(fim: FimInput | None, target: Any) -> dict:
     model can give)."""
     if fim is None:
         return {}
-    if not fim.suffix and not fim.extra and getattr(target, "fim_tokens", None) is None:
+    if not fim.suffix and not fim.extra and target.fim_tokens is None:
         return {"prompt": fim.prefix}
     return {"prompt": fim.prefix, "suffix": fim.suffix, "extra": fim.extra}
 

@@ -80,7 +80,7 @@ class Worker:
         self.n_ctx = int(decoder.target.n_ctx)
         self.slots = len(decoder.engine.slots)
         # The tool-call format the target's chat template teaches (None: it cannot take tools).
-        self.tool_format = tool_call_format(getattr(decoder.target, "chat_template", None))
+        self.tool_format = tool_call_format(decoder.target.chat_template)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[_Running] = []
@@ -88,7 +88,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.preparer = Preparer(decoder, options, self.n_ctx)  # what a request brings, off this thread
         # Chunked prefill: how much of a prompt to read between two steps.
-        self.chunker = PrefillChunker(split=getattr(decoder.target, "prefill_split", None))
+        self.chunker = PrefillChunker(split=decoder.target.prefill_split)
         self.clock: Callable[[], float] = time.perf_counter  # what the chunker's costs are timed with
         self.keep_cache_s = KEEP_CACHE_S  # see _keep_cache_for
         self._idle_since = float("-inf")  # when the last request ended (time.monotonic)

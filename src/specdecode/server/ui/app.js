@@ -53,6 +53,7 @@ async function loadInfo() {
   const info = await (await api("/v1/specdecode/info")).json();
   state.info = info;
   $("model").textContent = info.model + " · draft " + info.draft;
+  $("runs-on").textContent = info.runs_on ? "runs: " + info.runs_on : "";
   const select = $("draft");
   for (const name of info.drafters) {
     if (![...select.options].some((o) => o.value === name)) select.add(new Option(name, name));

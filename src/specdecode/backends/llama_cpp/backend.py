@@ -8,24 +8,25 @@ Dimension letters: N = tokens in one forward, M = requested logit rows, V = voca
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import Collection, Sequence
 
 import numpy as np
 
-from ..errors import ModelFileError, SpecDecodeError
-from ..limits import MAX_THREADS, MIN_N_CTX, check_text
-from .base import BackendBase, HiddenRows, SeqForward
-from .context import available_memory, choose_context, llama_kv_bytes
-from .llama_heads import numpy_heads
-from .llama_tree import forward_tree, keep_rows
-from .llama_vocab import control_token_ids, read_eog, read_fim_tokens
-from .llama_buffers import load_model
-from .llama_lib import context_params, default_threads, flash_attention, init_llama, last_error
+from ...errors import ModelFileError, SpecDecodeError
+from ...limits import DEFAULT_GPU_LAYERS, MAX_THREADS, MIN_N_CTX, check_gpu_layers
+from ..base import BackendBase, HiddenRows, Placement, SeqForward
+from ..context import available_memory, choose_context, llama_kv_bytes
+from .heads import numpy_heads
+from .tree import forward_tree, keep_rows
+from .text import LlamaText
+from .vocab import read_eog, read_fim_tokens
+from .buffers import load_model
+from .offload import COMPUTE_RESERVE, ModelLayout, list_devices, model_layout, offload_devices, plan_offload
+from .lib import context_params, default_threads, flash_attention, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
-class LlamaCppBackend(BackendBase):
+class LlamaCppBackend(LlamaText, BackendBase):
     """One GGUF model on llama.cpp, with a KV cache of n_seq sequences.
 
     path: GGUF file. n_ctx: context window in tokens of each sequence (None, the default: what
@@ -34,6 +35,10 @@ class LlamaCppBackend(BackendBase):
     CPU threads (default: the machine's cores). n_batch: most tokens per llama_decode call;
     longer forwards are split. n_seq: sequences (llama.cpp sequence ids 0..n_seq-1) for
     concurrent generations; their tokens share one ``llama_decode`` in :meth:`forward_batch`.
+    gpu_layers: layers on the build's GPU (llama.cpp's n_gpu_layers): a number (more than the
+    model has: all), "all", or "auto" (the default: all where they fit the device's free memory
+    with the context's KV cache, else as many as fit; the CPU on a CPU-only build: :mod:`.offload`;
+    ``placement`` says where they went, and ``offload_note`` why).
 
     The cache is llama.cpp's unified KV buffer of n_ctx * n_seq cells (``kv_unified``): a batch
     whose sequences bring different numbers of tokens stays one ubatch. kv_per_sequence: a
@@ -41,7 +46,7 @@ class LlamaCppBackend(BackendBase):
     a sequence's forwards attend over its own cells only, laid out as in a run of its own, and
     stay batch-invariant in a batch (``kv_shared`` False); a batch of unequal blocks is then
     split into several ubatches by llama.cpp. Hidden states: the
-    embeddings output, on for the calls that need it. Trees (:mod:`.llama_tree`): tree_branches leaves.
+    embeddings output, on for the calls that need it. Trees (:mod:`.tree`): tree_branches leaves.
 
     Raises ModelFileError when llama.cpp cannot load the file, SpecDecodeError on bad
     options.
@@ -62,6 +67,7 @@ class LlamaCppBackend(BackendBase):
         tree_branches: int = 0,
         kv_per_sequence: bool = False,
         kv_reserve: float = 1.0,
+        gpu_layers: int | str = DEFAULT_GPU_LAYERS,
     ) -> None:
         init_llama()
         import llama_cpp
@@ -81,23 +87,19 @@ class LlamaCppBackend(BackendBase):
         if kv_per_sequence and tree_branches:
             raise SpecDecodeError("a KV cache per sequence (strict mode) verifies chains only: trees of drafts need "
                                   "branch sequences in one shared cache; drop --max-tree-nodes", param="max_tree_nodes")
-        self._flash_attention = flash_attention()  # llama.cpp's choice unless asked: llama_lib.flash_attention
+        gpu_layers = check_gpu_layers(gpu_layers, "gpu_layers")
+        self._flash_attention = flash_attention()  # llama.cpp's choice unless asked: lib.flash_attention
         self._model = None
         self._buffers, self._weight_buffers = "none", {}
         self._ctx = None
         self._batch = None
 
-        model, self._buffers, self._weight_buffers = load_model(self.path, n_threads)
-        if not model:
-            raise ModelFileError(
-                f"llama.cpp could not load model file {self.path}: the file is corrupt, truncated or not a "
-                f"supported GGUF model{last_error()}"
-            )
-        self._model = model
+        model = self._load_placed(gpu_layers, n_ctx, n_seq * kv_reserve, n_threads)
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         trained, kv_bytes = int(llama_cpp.llama_model_n_ctx_train(model)), llama_kv_bytes(llama_cpp, model)
-        self.context = choose_context(n_ctx, trained, kv_bytes, n_seq, self.name, available_memory(), kv_reserve)
+        memory, where = self._kv_memory()
+        self.context = choose_context(n_ctx, trained, kv_bytes, n_seq, self.name, memory, kv_reserve, memory_label=where)
         n_ctx = self.context.n_ctx
         self._n_batch = self.prefill_split = max(1, min(n_batch, n_ctx))  # (a prompt read in its multiples: the same calls)
         self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
@@ -116,6 +118,41 @@ class LlamaCppBackend(BackendBase):
         self._eog = read_eog(self._lib, self._vocab, self._n_vocab, self.fim_tokens)
         self._piece_cache: dict[int, bytes] = {}
         self._special_texts: frozenset[str] | None = None
+
+    def _load_placed(self, asked: int | str, n_ctx: int | None, slots: float, n_threads: int):
+        """Load the model with the layers :func:`.offload.plan_offload` puts on the build's GPU
+        (``asked``: --gpu-layers), the rest in the CPU's buffers; sets ``_plan`` and ``device``
+        ("cpu" unless some layer is on a GPU: a cost-cache key, as before offloading). Returns
+        the model. Raises ModelFileError when llama.cpp cannot load the file."""
+        devices = list_devices()
+        plan = (plan_offload(asked, model_layout(self.path), devices, n_ctx, slots, self.name)
+                if offload_devices(devices) else None)
+        offloaded = plan.gpu_layers if plan is not None else 0
+        cpu_blocks = None if not offloaded else plan.n_layers - offloaded  # blocks left on the CPU
+        model, self._buffers, self._weight_buffers = load_model(self.path, n_threads, offloaded, cpu_blocks)
+        if not model:
+            raise ModelFileError(
+                f"llama.cpp could not load model file {self.path}: the file is corrupt, truncated or not a "
+                f"supported GGUF model{last_error()}"
+            )
+        self._model = model
+        if plan is None:  # no GPU device: the CPU, saying so where layers were asked for
+            n_blocks = int(self._lib.llama_model_n_layer(model))
+            plan = plan_offload(asked, ModelLayout((0,) * n_blocks, 0, 0), devices, n_ctx, name=self.name)
+        self._plan = plan
+        self.device = plan.device if offloaded else "cpu"
+        return model
+
+    def _kv_memory(self) -> tuple[int | None, str]:
+        """The memory the KV caches are sized from and its words for the context's note: the
+        GPU's free memory now that the weights are in, where every layer (and so the cache) is on
+        it; else the machine's available memory (:func:`..context.available_memory`)."""
+        p = self._plan
+        if p.gpu_layers and p.gpu_layers >= p.n_layers:
+            free = sum(d.free for d in offload_devices(list_devices()))
+            if free > 0:
+                return max(0, free - COMPUTE_RESERVE), f"free on {p.device}"
+        return available_memory(), "available"
 
     def _open_context(self) -> None:
         """A llama.cpp context over the model with this backend's shape and attention path; its cache empty."""
@@ -146,13 +183,27 @@ class LlamaCppBackend(BackendBase):
     @property
     def cost_key(self) -> str:
         """What besides the file and threads a measured latency depends on: the attention kernel
-        (:func:`~specdecode.backends.llama_lib.flash_attention`) and the weights' buffer type
-        (:mod:`.llama_buffers`)."""
-        return f"flash_attn={self._flash_attention}|buffers={self._buffers}"
+        (:func:`~specdecode.backends.llama_cpp.lib.flash_attention`) and the weights' buffer type
+        (:mod:`.buffers`)."""
+        key = f"flash_attn={self._flash_attention}|buffers={self._buffers}"
+        p = self._plan  # layers on a GPU time differently (a CPU-only key stays as it was before offloading)
+        return key + (f"|gpu_layers={p.gpu_layers}/{p.n_layers}" if p.gpu_layers else "")
+
+    @property
+    def placement(self) -> Placement:
+        """Where the layers run (:mod:`.offload`): llama.cpp's GPU device and how many layers are
+        on it, or the CPU."""
+        p = self._plan
+        return Placement(p.device, p.gpu_layers, p.n_layers, p.description if p.gpu_layers else "", p.note)
+
+    @property
+    def offload_note(self) -> str:
+        """One line: how many layers went to a GPU and why (:func:`.offload.plan_offload`)."""
+        return self._plan.note
 
     @property
     def buffers(self) -> str:
-        """"amx", "repack" or "none": the buffer type chosen for the weights (:mod:`.llama_buffers`)."""
+        """"amx", "repack" or "none": the buffer type chosen for the weights (:mod:`.buffers`)."""
         return self._buffers
 
     @property
@@ -163,89 +214,18 @@ class LlamaCppBackend(BackendBase):
 
     @property
     def weights_note(self) -> str:
-        """The buffer choice and what llama.cpp reported holding the weights:
-        "repack (CPU_REPACK 597 MiB, CPU_Mapped 1060 MiB)"."""
+        """Where the layers run where some are on a GPU, the buffer choice and what llama.cpp
+        reported holding the weights: "repack (CPU_REPACK 597 MiB, CPU_Mapped 1060 MiB)", "all 29
+        layers on Vulkan0 (llvmpipe ...): offloaded (CPU_Mapped 178 MiB, Vulkan0 1001 MiB)"."""
         held = ", ".join(f"{name} {mib:.0f} MiB" for name, mib in sorted(self._weight_buffers.items()))
-        return (f"{self._buffers} ({held})" if held else self._buffers) + \
+        where = "" if self.placement.on_cpu else f"{self.placement.words()}: "
+        return where + (f"{self._buffers} ({held})" if held else self._buffers) + \
             f"; flash attention {self._flash_attention}" + (f" ({self.attention_note})" if self.attention_note else "")
 
     @property
     def flash_attention(self) -> str:
-        """"auto", "on" or "off": how this context computes attention (:func:`.llama_lib.flash_attention`)."""
+        """"auto", "on" or "off": how this context computes attention (:func:`.lib.flash_attention`)."""
         return self._flash_attention
-
-    # --- vocabulary ---------------------------------------------------------------
-    @property
-    def bos_id(self) -> int | None:
-        t = int(self._lib.llama_vocab_bos(self._vocab))
-        return t if t >= 0 else None
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        self._require_open()
-        data = check_text(text, "the text to tokenize").encode("utf-8")
-        n_max = len(data) + 8
-        buf = (self._lib.llama_token * n_max)()
-        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            n_max = -n
-            buf = (self._lib.llama_token * n_max)()
-            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
-        return list(buf[:n])
-
-    @property
-    def special_texts(self) -> frozenset[str]:
-        """The texts of the vocabulary's control tokens (llama.cpp reads them as tokens only
-        with parse_special; user-defined tokens it reads as tokens either way), read once."""
-        if self._special_texts is None:
-            self._require_open()
-            texts = (self.token_text(t).decode("utf-8", "replace")
-                     for t in control_token_ids(self._lib, self._vocab, self.n_vocab))
-            self._special_texts = frozenset(t for t in texts if t)
-        return self._special_texts
-
-    def _piece(self, token_id: int, special: bool) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, 64, 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._lib.llama_token_to_piece(self._vocab, token_id, buf, -n, 0, special)
-        return buf.raw[:n]
-
-    def token_bytes(self, token_id: int) -> bytes:
-        piece = self._piece_cache.get(token_id)
-        if piece is None:
-            piece = self._piece(token_id, special=False)
-            self._piece_cache[token_id] = piece
-        return piece
-
-    def token_text(self, token_id: int) -> bytes:
-        return self._lib.llama_vocab_get_text(self._vocab, token_id) or b""
-
-    @property
-    def chat_template(self) -> str | None:
-        t = self._lib.llama_model_chat_template(self._model, None)
-        return t.decode("utf-8") if t else None
-
-    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
-        """Render messages (and tools, when given) with the GGUF's own Jinja chat template, as
-        llama-cpp-python's Jinja2ChatFormatter does (a sandboxed environment; add_generation_prompt,
-        bos_token, eos_token, tools). Raises SpecDecodeError when the model has no chat
-        template or the template rejects the messages (its raise_exception, or a field it lacks)."""
-        import jinja2
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        if not self.chat_template:
-            raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
-        if any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
-            raise SpecDecodeError(f"chat messages need 'role' and 'content', got {list(messages)!r:.200}")
-        bos, eos = self.bos_id, int(self._lib.llama_vocab_eos(self._vocab))
-        fmt = Jinja2ChatFormatter(template=self.chat_template,
-                                  eos_token=self.token_text(eos).decode("utf-8", "replace") if eos >= 0 else "",
-                                  bos_token=self.token_text(bos).decode("utf-8", "replace") if bos is not None else "")
-        try:
-            return fmt(messages=list(messages), tools=list(tools) if tools else None).prompt
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise SpecDecodeError(f"the chat template of {self.name} rejected the messages: {e}") from None
 
     # --- evaluation -------------------------------------------------------------------
     @property
@@ -351,11 +331,11 @@ class LlamaCppBackend(BackendBase):
         return self._n_embd
 
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
-        """Residual heads in numpy over the GGUF's output rows (:func:`.llama_heads.numpy_heads`)."""
+        """Residual heads in numpy over the GGUF's output rows (:func:`.heads.numpy_heads`)."""
         return numpy_heads(self.path, self._n_vocab, weight, bias, vocab_subset)
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
-        """A tree block on seq (:mod:`.llama_tree`): (logits [N, V], hidden [N, H] or None)."""
+        """A tree block on seq (:mod:`.tree`): (logits [N, V], hidden [N, H] or None)."""
         self._require_open()
         return forward_tree(self, token_ids, parents, seq, hidden)
 

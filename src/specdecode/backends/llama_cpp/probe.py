@@ -1,7 +1,7 @@
-"""The child process of :func:`specdecode.backends.llama_buffers.probe_amx`: load a GGUF model
+"""The child process of :func:`specdecode.backends.llama_cpp.buffers.probe_amx`: load a GGUF model
 with the weights in one buffer type, run a 2-token forward, and time T(n).
 
-    python -m specdecode.backends.llama_probe MODEL BUFFERS THREADS
+    python -m specdecode.backends.llama_cpp.probe MODEL BUFFERS THREADS
 
 BUFFERS: amx, repack or none. Prints ``{"survived": true}`` once a 2-token forward after a
 64-token context and a 128-token one (a prompt's prefill) have returned (a crash in a kernel
@@ -25,12 +25,12 @@ PREFILL_ROWS = 128  # a prefill-sized forward: a prompt is forwarded in blocks o
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m specdecode.backends.llama_probe MODEL BUFFERS THREADS", file=sys.stderr)
+        print("usage: python -m specdecode.backends.llama_cpp.probe MODEL BUFFERS THREADS", file=sys.stderr)
         return 2
     path, buffers, threads = argv
-    from ..errors import SpecDecodeError
-    from .llama_buffers import BUFFER_CHOICES, BUFFERS_ENV, LEGACY_REPACK_ENV, PROBE_NS
-    from .llama_cpp import LlamaCppBackend
+    from ...errors import SpecDecodeError
+    from .buffers import BUFFER_CHOICES, BUFFERS_ENV, LEGACY_REPACK_ENV, PROBE_NS
+    from .backend import LlamaCppBackend
 
     if buffers not in BUFFER_CHOICES:
         print(f"llama_probe: BUFFERS {buffers!r} is not a choice: expected {', '.join(BUFFER_CHOICES)}", file=sys.stderr)
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     os.environ[BUFFERS_ENV] = buffers
     os.environ.pop(LEGACY_REPACK_ENV, None)
     try:
-        backend = LlamaCppBackend(path, n_ctx=256, n_threads=int(threads))
+        backend = LlamaCppBackend(path, n_ctx=256, n_threads=int(threads), gpu_layers=0)  # the CPU's kernels only
     except SpecDecodeError as e:
         print(f"llama_probe: {e}", file=sys.stderr)
         return 2

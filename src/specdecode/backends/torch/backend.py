@@ -17,12 +17,13 @@ from typing import Collection, Sequence
 
 import numpy as np
 
-from ..errors import ModelFileError, SpecDecodeError
-from ..limits import DTYPES
-from .base import BackendBase, HiddenRows, SeqForward, residual_heads
-from .context import torch_context
-from .fim import FimTokens
-from .torch_setup import gguf_dequantize_config, import_torch, prefix_static_cache, resolve_device
+from ...errors import ModelFileError, SpecDecodeError
+from ...limits import DTYPES
+from ..base import BackendBase, HiddenRows, Placement, SeqForward
+from ..residual_heads import residual_heads
+from ..context import torch_context
+from ..fim import FimTokens
+from .runtime import gguf_dequantize_config, import_torch, prefix_static_cache, resolve_device
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -209,6 +210,16 @@ class TorchBackend(BackendBase):
         p = next(self.model.parameters())
         return f"{getattr(self.model.config, '_name_or_path', '')}|{p.dtype}|{self.model.num_parameters()}"
 
+    @property
+    def placement(self) -> Placement:
+        """The whole model on its torch device: "CPU", or "cuda:0" with the card's name."""
+        layers = int(getattr(self.model.config, "num_hidden_layers", 0) or 0)
+        if self.device.type == "cpu":
+            return Placement(n_layers=layers)
+        torch, _ = import_torch()
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        return Placement(str(self.device), layers, layers, name, f"{self.name}: on {self.device} (--device)")
+
     # --- evaluation -------------------------------------------------------------------
     def supports_output_subset(self) -> bool:
         """Whether :meth:`set_output_subset` can apply: a decoder whose logits are exactly the
@@ -369,7 +380,7 @@ class TorchBackend(BackendBase):
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], seq: int = 0, hidden: bool = False):
         """A tree block (:mod:`specdecode.trees.torch_forward`): root and nodes [N] appended; (logits [N, V] of
         every row, their hidden states [N, H] with hidden, else None)."""
-        from .torch_tree import forward_tree
+        from .tree import forward_tree
         self._check_seq(seq)
         if self._subset is not None:
             raise SpecDecodeError(f"{self.name}: tree verification needs the whole vocabulary (no output subset)")
@@ -377,13 +388,13 @@ class TorchBackend(BackendBase):
 
     def keep_tree_rows(self, rows: Sequence[int], n_rows: int, seq: int = 0) -> None:
         """Keep rows (ascending, root first) of the last tree block of n_rows; drop the others."""
-        from .torch_tree import keep_rows
+        from .tree import keep_rows
         self._check_seq(seq)
         keep_rows(self, rows, n_rows)
 
     def forward_rows(self, token_ids: Sequence[int], positions: Sequence[int], visible, seq: int = 0):
         """Rows under an explicit mask (:func:`specdecode.trees.torch_forward.forward_rows`): logits [n, V]."""
-        from .torch_tree import forward_rows
+        from .tree import forward_rows
         self._check_seq(seq)
         return forward_rows(self, token_ids, positions, visible)[0]  # the whole vocabulary
 

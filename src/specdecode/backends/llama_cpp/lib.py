@@ -1,6 +1,6 @@
 """The llama.cpp library as a process sees it, apart from any one model: loading it once with
 its log routed (:func:`init_llama`, :func:`last_error`), the buffer types it reports holding
-a model's weights as it loads (:func:`weight_buffer_log`; which to use: :mod:`.llama_buffers`),
+a model's weights as it loads (:func:`weight_buffer_log`; which to use: :mod:`.buffers`),
 whether attention runs as flash attention
 (:func:`flash_attention`), and how many threads a forward should use (:func:`default_threads`)."""
 
@@ -97,7 +97,7 @@ def flash_attention() -> str:
     """
     value = os.environ.get(FLASH_ATTENTION_ENV, "").strip().lower() or "auto"  # set but empty: unset, as the others
     if value not in FLASH_ATTENTION_MODES:
-        from ..errors import SpecDecodeError
+        from ...errors import SpecDecodeError
 
         raise SpecDecodeError(f"{FLASH_ATTENTION_ENV}={os.environ[FLASH_ATTENTION_ENV]!r} is not a choice: expected "
                               f"{', '.join(FLASH_ATTENTION_MODES)}")

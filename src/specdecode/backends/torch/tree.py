@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import tree_depths
+from ..tree_shape import tree_depths
 
 
 def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

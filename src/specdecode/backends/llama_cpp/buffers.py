@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import SpecDecodeError
-from ..files import cache_dir, read_cache_json, write_cache_json
+from ...errors import SpecDecodeError
+from ...files import cache_dir, read_cache_json, write_cache_json
 from .ggml_ctypes import REPACK_NAME, _lib_dir, amx_compiled, gguf_tensors, repack_buffer_type, repack_supports
 
 BUFFERS_ENV = "SPECDECODE_LLAMA_BUFFERS"
@@ -159,17 +159,23 @@ def choose_buffers(amx_compiled: bool, repack_found: bool, requested: str | None
     return "repack" if repack_found else "none"
 
 
-def repack_overrides(tensors: Sequence[tuple[str, int, Sequence[int]]], supports: Callable[[int, int, int], bool]) -> list[str]:
+def repack_overrides(tensors: Sequence[tuple[str, int, Sequence[int]]], supports: Callable[[int, int, int], bool],
+                     cpu_blocks: int | None = None) -> list[str]:
     """Patterns (regular expressions over tensor names) of the matmul weights among ``tensors``
     ((name, ggml type, ne) as :func:`gguf_tensors` gives them) that CPU_REPACK supports: one
     pattern per kind of weight, naming its layers (``^blk\\.(0|1|5)\\.ffn_down\\.weight$``),
     and ``^output\\.weight$``. supports(ggml type, ne0, ne1): whether CPU_REPACK runs that
-    weight (:func:`repack_supports`), asked once per type and shape."""
+    weight (:func:`repack_supports`), asked once per type and shape. cpu_blocks: where some
+    layers are on a GPU (:mod:`.offload`), the blocks that stay on the CPU (0 .. cpu_blocks - 1;
+    the output layer is then on the GPU): only their weights are named (a pattern places a weight
+    wherever its layer is)."""
     asked: dict[tuple[int, int, int], bool] = {}
     layers: dict[str, list[str]] = {}
     for name, ggml_type, ne in tensors:
         m = MATMUL_WEIGHT.match(name)
         if m is None or any(d != 1 for d in ne[2:]):
+            continue
+        if cpu_blocks is not None and (m.group(4) or int(m.group(2)) >= cpu_blocks):
             continue
         key = (ggml_type, int(ne[0]), int(ne[1]))
         if key not in asked:
@@ -210,15 +216,16 @@ class ModelBuffers:
         mparams.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
 
 
-def model_buffers(choice: str, amx: bool, path: str | Path) -> ModelBuffers:
+def model_buffers(choice: str, amx: bool, path: str | Path, cpu_blocks: int | None = None) -> ModelBuffers:
     """The parameters that give ``choice`` on a build with (``amx``) or without AMX kernels: repack
-    is llama.cpp's own choice without AMX, weight by weight with it (:func:`repack_overrides`)."""
+    is llama.cpp's own choice without AMX, weight by weight with it (:func:`repack_overrides`, for
+    the ``cpu_blocks`` that stay on the CPU where some layers are on a GPU)."""
     if choice == "none":
         return ModelBuffers(choice, False)
     if choice == "amx" or not amx:
         return ModelBuffers(choice, True)
     buft = repack_buffer_type()
-    patterns = repack_overrides(gguf_tensors(path), lambda *k: repack_supports(buft, *k)) if buft else []
+    patterns = repack_overrides(gguf_tensors(path), lambda *k: repack_supports(buft, *k), cpu_blocks) if buft else []
     return ModelBuffers(choice, False, patterns)  # (no pattern: no weight CPU_REPACK supports, as without AMX)
 
 
@@ -286,7 +293,7 @@ def probe_amx(path: str | Path, n_threads: int, command: Sequence[str] | None = 
     (printing ``{"survived": true}``), then times T(n) at PROBE_NS and prints
     ``{"survived": true, "seconds": {n: s}, "weights": {buffer: MiB}}``; a second child does
     the same with CPU_REPACK. command: the child's argv before its arguments (model, buffers,
-    threads); by default ``python -P -m specdecode.backends.llama_probe`` (-P: the working
+    threads); by default ``python -P -m specdecode.backends.llama_cpp.probe`` (-P: the working
     folder cannot shadow specdecode).
 
     AMX counts as surviving only where the child returned and llama.cpp put weights in its AMX
@@ -294,7 +301,7 @@ def probe_amx(path: str | Path, n_threads: int, command: Sequence[str] | None = 
     then ran CPU_REPACK). A child killed by a signal, timing out or failing counts as not
     surviving, with the reason in ``detail``; only a crash signal (CRASH_SIGNALS) or a run is
     ``definitive``, worth caching."""
-    command = list(command or [sys.executable, "-P", "-m", "specdecode.backends.llama_probe"])
+    command = list(command or [sys.executable, "-P", "-m", "specdecode.backends.llama_cpp.probe"])
 
     def run(buffers: str) -> tuple[dict | None, dict[int, float] | None, str]:
         result, why = _run_child(command + [str(path), buffers, str(n_threads)], timeout_s)
@@ -337,36 +344,44 @@ def cached_probe(path: str | Path, n_threads: int, folder: Path | None = None,
     return result
 
 
-def resolve_buffers(path: str | Path, n_threads: int) -> ModelBuffers:
+OFFLOADED = "offloaded"  # the choice where every layer is on a GPU: llama.cpp's own buffers, nothing to probe
+
+
+def resolve_buffers(path: str | Path, n_threads: int, cpu_blocks: int | None = None) -> ModelBuffers:
     """The weights' placement for this model on this build and machine: the request
     (SPECDECODE_LLAMA_BUFFERS), else :func:`choose_buffers` with the cached probe on an AMX
-    build. Raises SpecDecodeError on a request this build cannot meet, ModelFileError (on an AMX
-    build) for a file whose tensor list cannot be read."""
+    build. cpu_blocks: where some layers are on a GPU, the blocks left on the CPU (0: none, every
+    layer offloaded: llama.cpp's own buffers, no probe). Raises SpecDecodeError on a request this
+    build cannot meet, ModelFileError (on an AMX build) for a file whose tensor list cannot be read."""
+    if cpu_blocks == 0:
+        return ModelBuffers(OFFLOADED, True)
     requested = requested_buffers()
     amx = amx_compiled()
     repack_found = repack_buffer_type() is not None if amx else True
     if amx and requested is None:
         gguf_tensors(path)  # a corrupt file is named now, not tried in a child and cached
     probe = cached_probe(path, n_threads) if amx and requested is None else None
-    return model_buffers(choose_buffers(amx, repack_found, requested, probe), amx, path)
+    return model_buffers(choose_buffers(amx, repack_found, requested, probe), amx, path, cpu_blocks)
 
 
-def load_model(path: str | Path, n_threads: int) -> tuple[int | None, str, dict[str, float]]:
+def load_model(path: str | Path, n_threads: int, gpu_layers: int = 0,
+               cpu_blocks: int | None = None) -> tuple[int | None, str, dict[str, float]]:
     """llama.cpp's model of a GGUF file (a ``llama_model`` pointer; None when llama.cpp cannot
-    load it), its weights in the buffer type chosen for this build and machine
-    (:func:`resolve_buffers`): (model, the choice, the buffer types llama.cpp reported holding
-    the weights, {name: MiB}). Weights placed in CPU_REPACK by name that fail to load are loaded
-    again in plain memory."""
+    load it), ``gpu_layers`` of its layers on the build's GPU (llama.cpp's n_gpu_layers:
+    :mod:`.offload`) and the rest's weights in the buffer type chosen for this build and machine
+    (:func:`resolve_buffers`; cpu_blocks: the blocks left on the CPU, None: all):
+    (model, the choice, the buffer types llama.cpp reported holding the weights, {name: MiB}).
+    Weights placed in CPU_REPACK by name that fail to load are loaded again in plain memory."""
     import llama_cpp
 
-    from .llama_lib import weight_buffer_log
+    from .lib import weight_buffer_log
 
-    placement = resolve_buffers(path, n_threads)
+    placement = resolve_buffers(path, n_threads, cpu_blocks)
     for attempt in (placement, ModelBuffers("none", False) if placement.patterns else None):
         if attempt is None:
             break
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
+        mparams.n_gpu_layers = gpu_layers
         attempt.apply(mparams)
         with weight_buffer_log() as seen:
             model = llama_cpp.llama_model_load_from_file(str(path).encode("utf-8"), mparams)

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import SpecDecodeError
-from .base import tree_depths
+from ...errors import SpecDecodeError
+from ..tree_shape import tree_depths
 
 TREE_BRANCHES = 8  # leaves a tree may have (branch sequences a context is given for trees)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpecDecodeError
-from .base import residual_heads
+from ...errors import SpecDecodeError
+from ..residual_heads import residual_heads
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

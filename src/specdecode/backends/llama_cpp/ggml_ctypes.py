@@ -1,7 +1,8 @@
-"""ggml, llama.cpp's tensor library, through ctypes: what :mod:`.llama_buffers` asks of the
+"""ggml, llama.cpp's tensor library, through ctypes: what :mod:`.buffers` asks of the
 installed build. Whether it has AMX kernels (:func:`amx_compiled`), its CPU_REPACK buffer type
 (:func:`repack_buffer_type`), whether that runs a matmul by a given weight
-(:func:`repack_supports`), and a GGUF file's tensor list (:func:`gguf_tensors`).
+(:func:`repack_supports`), a GGUF file's tensor list and metadata (:func:`gguf_header`), and the
+devices the build has (:func:`ggml_devices`).
 
 The libraries are the ones llama.cpp itself loaded (:func:`_lib`), so state such as log
 routing is shared with it.
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
-from ..errors import ModelFileError, SpecDecodeError
+from ...errors import ModelFileError, SpecDecodeError
 
 REPACK_NAME = "CPU_REPACK"
 
@@ -80,7 +83,7 @@ _TENSOR_BUFFER_OFFSET = 8  # struct ggml_tensor { enum ggml_type type; struct gg
 def repack_buffer_type() -> int | None:
     """The CPU_REPACK buffer type (a ``ggml_backend_buffer_type_t``, as an int) among the CPU
     device's extra buffer types, found by name; None where this build has none."""
-    from .llama_lib import init_llama
+    from .lib import init_llama
 
     init_llama()
     libs = _ggml()
@@ -135,11 +138,29 @@ class _GgufInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
-def gguf_tensors(path: str | Path) -> list[tuple[str, int, tuple[int, int, int, int]]]:
-    """The tensors of a GGUF file as (name, ggml type, ne [4]), read by ggml's own GGUF reader
-    (``gguf_init_from_file``: the header only, in milliseconds). Raises ModelFileError when the
-    file cannot be read as GGUF, has no tensors, or is shorter than its tensors' data."""
-    from .llama_lib import init_llama
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of a GGUF file: its name, ggml type, ne [4] and size in bytes."""
+
+    name: str
+    ggml_type: int
+    ne: tuple[int, int, int, int]
+    nbytes: int
+
+
+# ggml's gguf_type values of the scalar keys read here (gguf.h)
+_GGUF_INTS = {0: ("u8", ctypes.c_uint8), 1: ("i8", ctypes.c_int8), 2: ("u16", ctypes.c_uint16),
+              3: ("i16", ctypes.c_int16), 4: ("u32", ctypes.c_uint32), 5: ("i32", ctypes.c_int32),
+              10: ("u64", ctypes.c_uint64), 11: ("i64", ctypes.c_int64)}
+_GGUF_STRING = 8
+
+
+def gguf_header(path: str | Path, keys: Sequence[str] = ()) -> tuple[list[GgufTensor], dict[str, int | str]]:
+    """The tensors of a GGUF file and the values of ``keys`` among its metadata (integers and
+    strings; a key that is absent or of another type is left out), read by ggml's own GGUF
+    reader (``gguf_init_from_file``: the header only, in milliseconds). Raises ModelFileError when
+    the file cannot be read as GGUF, has no tensors, or is shorter than its tensors' data."""
+    from .lib import init_llama
 
     init_llama()  # ggml's messages go through specdecode's log routing
     base = _lib("ggml-base")
@@ -152,24 +173,79 @@ def gguf_tensors(path: str | Path) -> list[tuple[str, int, tuple[int, int, int, 
                           (base.gguf_get_tensor_ne, [vp, i64], ctypes.POINTER(i64)),
                           (base.gguf_get_data_offset, [vp], ctypes.c_size_t),
                           (base.gguf_get_tensor_offset, [vp, i64], ctypes.c_size_t),
-                          (base.gguf_get_tensor_size, [vp, i64], ctypes.c_size_t)):
+                          (base.gguf_get_tensor_size, [vp, i64], ctypes.c_size_t),
+                          (base.gguf_find_key, [vp, ctypes.c_char_p], i64), (base.gguf_get_kv_type, [vp, i64], ctypes.c_int),
+                          (base.gguf_get_val_str, [vp, i64], ctypes.c_char_p)):
         fn.argtypes, fn.restype = args, res
     ctx = base.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
     if not ctx:
         raise ModelFileError(f"llama.cpp could not load model file {path}: the file is corrupt, truncated or not a "
                              "supported GGUF model (its tensor list cannot be read)")
     try:
-        out, end = [], 0
+        out, end, meta = [], 0, {}
         for i in range(base.gguf_get_n_tensors(ctx)):
             ne = base.gguf_get_tensor_ne(ctx, i)
-            out.append((base.gguf_get_tensor_name(ctx, i).decode("utf-8", "replace"), int(base.gguf_get_tensor_type(ctx, i)),
-                        tuple(int(ne[d]) for d in range(4))))
-            end = max(end, base.gguf_get_tensor_offset(ctx, i) + base.gguf_get_tensor_size(ctx, i))
+            size = int(base.gguf_get_tensor_size(ctx, i))
+            out.append(GgufTensor(base.gguf_get_tensor_name(ctx, i).decode("utf-8", "replace"),
+                                  int(base.gguf_get_tensor_type(ctx, i)), tuple(int(ne[d]) for d in range(4)), size))
+            end = max(end, base.gguf_get_tensor_offset(ctx, i) + size)
         data = base.gguf_get_data_offset(ctx)
+        for key in keys:
+            kid = base.gguf_find_key(ctx, key.encode())
+            kind = base.gguf_get_kv_type(ctx, kid) if kid >= 0 else -1
+            if kind in _GGUF_INTS:
+                suffix, ctype = _GGUF_INTS[kind]
+                getter = getattr(base, f"gguf_get_val_{suffix}")
+                getter.argtypes, getter.restype = [vp, i64], ctype
+                meta[key] = int(getter(ctx, kid))
+            elif kind == _GGUF_STRING:
+                meta[key] = (base.gguf_get_val_str(ctx, kid) or b"").decode("utf-8", "replace")
     finally:
         base.gguf_free(ctx)
     size = Path(path).stat().st_size
     if not out or data + end > size:
         why = "it has no tensors" if not out else f"its tensors end at byte {data + end}, the file has {size}"
         raise ModelFileError(f"llama.cpp could not load model file {path}: the file is truncated or not a model ({why})")
+    return out, meta
+
+
+def gguf_tensors(path: str | Path) -> list[tuple[str, int, tuple[int, int, int, int]]]:
+    """The tensors of a GGUF file as (name, ggml type, ne [4]) (:func:`gguf_header`). Raises
+    ModelFileError as it does."""
+    return [(t.name, t.ggml_type, t.ne) for t in gguf_header(path)[0]]
+
+
+# ggml's enum ggml_backend_dev_type (ggml-backend.h), by value
+DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")
+
+
+def ggml_devices() -> list[tuple[str, str, str, int, int]]:
+    """The devices of the loaded llama.cpp build, in its registry's order, as (name,
+    description, kind, free bytes, total bytes): ("Vulkan0", "llvmpipe (LLVM 15.0.7, 256 bits)",
+    "gpu", ...), ("CPU", "AMD EPYC 9R14", "cpu", ...); kind is a name of DEVICE_KINDS. Empty
+    where ggml's libraries are not found."""
+    from .lib import init_llama
+
+    init_llama()
+    libs = _ggml()
+    if libs is None:
+        return []
+    base, reg = libs
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for fn, args, res in ((reg.ggml_backend_dev_count, [], sz), (reg.ggml_backend_dev_get, [sz], vp),
+                          (base.ggml_backend_dev_name, [vp], ctypes.c_char_p),
+                          (base.ggml_backend_dev_description, [vp], ctypes.c_char_p),
+                          (base.ggml_backend_dev_type, [vp], ctypes.c_int),
+                          (base.ggml_backend_dev_memory, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None)):
+        fn.argtypes, fn.restype = args, res
+    out = []
+    for i in range(reg.ggml_backend_dev_count()):
+        dev = reg.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = base.ggml_backend_dev_type(dev)
+        out.append(((base.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
+                    (base.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace"),
+                    DEVICE_KINDS[kind] if 0 <= kind < len(DEVICE_KINDS) else f"type {kind}",
+                    int(free.value), int(total.value)))
     return out

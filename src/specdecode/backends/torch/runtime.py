@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SpecDecodeError
-from ..limits import DEVICES
+from ...errors import SpecDecodeError
+from ...limits import DEVICES
 
 def import_torch():
     try:

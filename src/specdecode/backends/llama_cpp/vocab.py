@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fim import FimTokens
+from ..fim import FimTokens
 
 
 def read_fim_tokens(lib: Any, vocab: Any, n_vocab: int) -> FimTokens | None:
