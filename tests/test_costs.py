@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from specdecode.backends.base import BackendBase
 from specdecode.control import costcache
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.estimators import AcceptanceEstimator
@@ -98,7 +99,7 @@ def test_controller_with_learned_costs_follows_the_machine():
     assert len(drifts) == 1 and "the measured curve" in drifts[0] and "n = 16" in drifts[0]  # reported once
 
 
-class FakeTarget:
+class FakeTarget(BackendBase):
     """What machine_key and measure_forward_curve read, without a model."""
 
     name = "fake"

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from specdecode.backends.base import BackendBase
 from specdecode.control import costcache, measure
 from specdecode.control.controller import Source, SpeculationController
 from specdecode.control.costmodel import CostCurve, ObservedCurve
@@ -33,7 +34,7 @@ POISONED_MS = {1: 536, 2: 94, 3: 127, 4: 155, 5: 438, 6: 2388, 7: 2956, 8: 447, 
 POISONED = CostCurve(NS, tuple(POISONED_MS[n] / 1000 for n in NS))
 
 
-class ClockedTarget:
+class ClockedTarget(BackendBase):
     """A backend with no model whose forwards advance a fake clock by T(n), multiplied by
     ``load`` during the planted bursts (ranges of forward-call numbers)."""
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from specdecode.assembly import registry
+from specdecode.backends.base import BackendBase
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.drafters import ModelDrafter, NoDrafter
 from specdecode.engine import SpeculativeEngine
@@ -191,7 +192,7 @@ def test_auto_recognises_the_padded_target(load, monkeypatch):
 # --- the device's greedy draft (torch): a fake, then a tiny real pair ------------------------
 
 
-class DeviceDraftBackend:
+class DeviceDraftBackend(BackendBase):
     """A draft model with a whole-draft greedy path on the "device" whose argmax, like a real
     one, is over its whole vocabulary: its largest logit is always its last (padding) id."""
 
@@ -316,14 +317,15 @@ def test_torch_pair_with_padded_vocabularies_is_lossless():
 # --- the registry's Qwen2.5 tokenizer under a padded (7B-style) target ------------------------
 
 
-class PaddedView:
+class PaddedView(BackendBase):
     """A backend's vocabulary with ``extra`` [PAD<id>] ids appended, as Qwen2.5 7B's GGUF
     has them (vocabulary only: no forward)."""
 
     def __init__(self, inner, extra: int):
         self.inner, self.extra = inner, extra
         self.name = f"{inner.name} + {extra} padding ids"
-        self.eog_ids = inner.eog_ids
+
+    eog_ids = property(lambda self: self.inner.eog_ids)
 
     @property
     def n_vocab(self) -> int:
