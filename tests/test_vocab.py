@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from specdecode.backends.base import BackendBase
 from specdecode.errors import IncompatibleVocabularyError
 from specdecode.backends.vocab import (MAX_VOCAB_SIZE_DIFFERENCE, check_vocab_compatible, fingerprint_serves, padding_tail,
                               vocab_fingerprint)
 
 
-class FakeVocab:
+class FakeVocab(BackendBase):
     """token_text as given; control tokens (<s>, </s>, <|...|>) and padding ([PAD...]) render
     as no bytes, as llama.cpp renders them; </s> ends generation."""
 
