@@ -102,7 +102,7 @@ def test_the_layout_of_a_gguf_with_tied_embeddings_counts_the_embedding_as_its_o
               GgufTensor(f"blk.{i}.attn_k.weight", 12, (1536, 256, 1, 1), MiB // 4),
               GgufTensor(f"blk.{i}.attn_v.weight", 14, (1536, 256, 1, 1), MiB // 4),
               GgufTensor(f"blk.{i}.ffn_down.weight", 14, (8960, 1536, 1, 1), 9 * MiB)]
-    layout = layout_from_tensors(t, {"general.architecture": "qwen2", "qwen2.context_length": 32768})
+    layout = layout_from_tensors(t, {"{arch}.context_length": 32768})
     assert layout.block_bytes == (int(11.5 * MiB),) * 2 and layout.n_layers == 3
     assert layout.output_bytes == 130 * MiB + 6144 and layout.trained_ctx == 32768
     assert layout.kv_bytes_per_token == (256 + 256) * 2  # keys and values in f16

@@ -157,7 +157,8 @@ _GGUF_STRING = 8
 
 def gguf_header(path: str | Path, keys: Sequence[str] = ()) -> tuple[list[GgufTensor], dict[str, int | str]]:
     """The tensors of a GGUF file and the values of ``keys`` among its metadata (integers and
-    strings; a key that is absent or of another type is left out), read by ggml's own GGUF
+    strings; a key that is absent or of another type is left out; ``{arch}`` in a key stands for
+    the file's ``general.architecture``: "{arch}.context_length"), read by ggml's own GGUF
     reader (``gguf_init_from_file``: the header only, in milliseconds). Raises ModelFileError when
     the file cannot be read as GGUF, has no tensors, or is shorter than its tensors' data."""
     from .lib import init_llama
@@ -190,8 +191,10 @@ def gguf_header(path: str | Path, keys: Sequence[str] = ()) -> tuple[list[GgufTe
                                   int(base.gguf_get_tensor_type(ctx, i)), tuple(int(ne[d]) for d in range(4)), size))
             end = max(end, base.gguf_get_tensor_offset(ctx, i) + size)
         data = base.gguf_get_data_offset(ctx)
+        arch_id = base.gguf_find_key(ctx, b"general.architecture")
+        arch = (base.gguf_get_val_str(ctx, arch_id) or b"").decode("utf-8", "replace") if arch_id >= 0 else ""
         for key in keys:
-            kid = base.gguf_find_key(ctx, key.encode())
+            kid = base.gguf_find_key(ctx, key.format(arch=arch).encode())
             kind = base.gguf_get_kv_type(ctx, kid) if kid >= 0 else -1
             if kind in _GGUF_INTS:
                 suffix, ctype = _GGUF_INTS[kind]

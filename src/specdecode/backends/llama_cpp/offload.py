@@ -86,8 +86,9 @@ class ModelLayout:
 
 
 def layout_from_tensors(tensors: Sequence[GgufTensor], meta: dict) -> ModelLayout:
-    """A :class:`ModelLayout` from a GGUF file's tensors and its metadata (``general.architecture``,
-    ``<arch>.context_length``): a block's KV width is its key and value projections' output rows."""
+    """A :class:`ModelLayout` from a GGUF file's tensors and its metadata (``{arch}.context_length``,
+    the trained context; absent: unknown): a block's KV width is its key and value projections'
+    output rows."""
     blocks: dict[int, int] = {}
     kv_width: dict[int, int] = {}
     output = embed = norm = 0
@@ -105,8 +106,7 @@ def layout_from_tensors(tensors: Sequence[GgufTensor], meta: dict) -> ModelLayou
         elif t.name.startswith("output_norm."):
             norm += t.nbytes
     n = max(blocks) + 1 if blocks else 0
-    arch = meta.get("general.architecture", "")
-    trained = meta.get(f"{arch}.context_length", 0)
+    trained = meta.get("{arch}.context_length", 0)
     return ModelLayout(tuple(blocks.get(i, 0) for i in range(n)), (output or embed) + norm,
                        max(kv_width.values(), default=0) * LLAMA_KV_BYTES, int(trained) if isinstance(trained, int) else 0)
 
@@ -114,10 +114,7 @@ def layout_from_tensors(tensors: Sequence[GgufTensor], meta: dict) -> ModelLayou
 def model_layout(path: str | Path) -> ModelLayout:
     """The layout of a GGUF file, from its header (milliseconds). Raises ModelFileError for a
     file that cannot be read as GGUF."""
-    tensors, meta = gguf_header(path, ["general.architecture"])
-    arch = meta.get("general.architecture", "")
-    if arch:
-        meta |= gguf_header(path, [f"{arch}.context_length"])[1]
+    tensors, meta = gguf_header(path, ["{arch}.context_length"])
     return layout_from_tensors(tensors, meta)
 
 
