@@ -28,7 +28,9 @@ from specdecode.messages import check_messages, template_messages
 from specdecode.server import create_app
 from specdecode.server.apierror import APIError
 from specdecode.server.ollama_models import ModelCard, describe_template, gguf_metadata
-from specdecode.server.ollama import _Answer, _stream
+from specdecode.server.jobs import Delta, Failed
+from specdecode.server.ollama import GENERATE, OllamaStream, _Answer
+from specdecode.server.runner import write_stream
 from specdecode.server.ollama_protocol import OllamaRequest, chat_messages, parse_chat, parse_generate
 from specdecode.server.toolcalls import HermesFormat
 
@@ -191,11 +193,12 @@ def test_an_error_after_the_stream_began_is_its_last_line():
         events = asyncio.Queue()
 
     p = OllamaRequest("generate", SCRIPT, generate({"prompt": "x"}).req)
-    Job.events.put_nowait(("delta", (0, "He", None, None)))
-    Job.events.put_nowait(("error", APIError(400, "max_tokens = 3 is wrong", param="max_tokens")))
+    Job.events.put_nowait(Delta(0, "He"))
+    Job.events.put_nowait(Failed(APIError(400, "max_tokens = 3 is wrong", param="max_tokens")))
 
     async def lines() -> list[dict]:
-        return [json.loads(line) async for line in _stream(_Answer(p, 0.0), Job)]
+        rename = lambda e: GENERATE.rename(e, p)  # noqa: E731
+        return [json.loads(line) async for line in write_stream(OllamaStream(_Answer(p, 0.0)), Job, 1, rename)]
 
     opening, first, last = asyncio.run(lines())
     assert opening["response"] == "" and not opening["done"]  # sent before the prompt is read

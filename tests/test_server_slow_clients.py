@@ -28,7 +28,7 @@ from specdecode.server import create_app
 from specdecode.server.config import ServerOptions
 from specdecode.server.connection import http_protocol
 from specdecode.server.protocol import parse_request
-from specdecode.server.jobs import EVENT_OVERHEAD_BYTES, Job
+from specdecode.server.jobs import EVENT_OVERHEAD_BYTES, ChoiceDone, Delta, Failed, Job, Started
 
 from test_server import ServerThread, metrics, total
 from test_server_access import MODEL, ByteBackend
@@ -96,7 +96,7 @@ def test_a_stream_nobody_reads_is_ended_after_the_bound_and_frees_its_slot():
             while not (job.events.qsize() == 13 and worker.running() == 0):  # counted, the wait only bounded
                 assert time.monotonic() < deadline, f"{job.events.qsize()} events, {worker.running()} running"
                 await asyncio.sleep(0.01)
-            assert job.events.get_nowait()[0] == "started"
+            assert isinstance(job.events.get_nowait(), Started)
             events = [job.events.get_nowait() for _ in range(12)]
             assert job.events.unread == 0
             after = stream_job(app, loop, max_tokens=3, stream=False)
@@ -109,13 +109,13 @@ def test_a_stream_nobody_reads_is_ended_after_the_bound_and_frees_its_slot():
             events, answer, job = asyncio.run(go())
         finally:
             worker.stop()
-    assert [kind for kind, _ in events] == ["delta"] * 11 + ["error"]
-    assert all(value[1] == "x" * PIECE for _, value in events[:11])
-    error = events[-1][1]
+    assert [type(e) for e in events] == [Delta] * 11 + [Failed]
+    assert all(e.text == "x" * PIECE for e in events[:11])
+    error = events[-1].error
     assert error.code == "stream_not_read" and str(BOUND) in error.message and "--max-unread-bytes" in error.message
     assert str(11 * EVENT) in error.message  # what was unread when it ended
-    kind, (_, result, _) = answer
-    assert kind == "choice" and result.text == "x" * PIECE * 3 and result.finish_reason == "length"
+    result = answer.result
+    assert isinstance(answer, ChoiceDone) and result.text == "x" * PIECE * 3 and result.finish_reason == "length"
     assert job.cancelled.is_set() is False  # ended by the bound, not by a disconnect
 
 
@@ -138,9 +138,9 @@ def test_a_stream_read_as_it_comes_is_never_cut():
         async def go():
             jobs.append(stream_job(app, asyncio.get_running_loop(), max_tokens=60))
             assert worker.submit(jobs[0])
-            assert (await asyncio.wait_for(jobs[0].events.get(), WAIT))[0] == "started"  # the stream opens
+            assert isinstance(await asyncio.wait_for(jobs[0].events.get(), WAIT), Started)  # the stream opens
             events = []
-            while not events or events[-1][0] == "delta":
+            while not events or isinstance(events[-1], Delta):
                 events.append(await asyncio.wait_for(jobs[0].events.get(), WAIT))
             return events
 
@@ -149,8 +149,8 @@ def test_a_stream_read_as_it_comes_is_never_cut():
             events = asyncio.run(go())
         finally:
             worker.stop()
-    assert [kind for kind, _ in events] == ["delta"] * 60 + ["choice"]
-    assert events[-1][1][1].finish_reason == "length"
+    assert [type(e) for e in events] == [Delta] * 60 + [ChoiceDone]
+    assert events[-1].result.finish_reason == "length"
 
 
 def post_head(path: str, body: bytes, extra: str = "") -> bytes:

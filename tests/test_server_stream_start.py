@@ -20,7 +20,9 @@ import pytest
 from specdecode.api import Decoder
 from specdecode.server import create_app
 from specdecode.server.infill import parse_infill
-from specdecode.server.infill_response import InfillAnswer, stream_infill
+from specdecode.server.infill_response import InfillAnswer, InfillStream
+from specdecode.server.jobs import Delta
+from specdecode.server.runner import write_stream
 
 from test_server import ServerThread
 from test_server_access import MODEL, ByteBackend
@@ -133,11 +135,11 @@ def test_infill_streams_open_with_an_empty_piece():
     ir = parse_infill({"input_prefix": "def f(", "input_suffix": ")", "stream": True}, MODEL, 2048, True,
                       lambda: 0.0, False)
     Job.req = ir.req
-    Job.events.put_nowait(("delta", (0, "x", None, None)))
+    Job.events.put_nowait(Delta(0, "x"))
 
     async def events() -> list[dict]:
         out = []
-        async for e in stream_infill(InfillAnswer(ir, MODEL, 2048), Job, None):
+        async for e in write_stream(InfillStream(InfillAnswer(ir, MODEL, 2048), None), Job, 1):
             out.append(json.loads(e.split("data: ", 1)[1]))
             if len(out) == 2:
                 return out

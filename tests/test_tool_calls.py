@@ -19,7 +19,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.grammar import GrammarConstraint
 from specdecode.messages import check_messages, template_messages
 from specdecode.server import APIError, create_app, parse_request
-from specdecode.server.responses import full_response, stream
+from specdecode.server.jobs import ChoiceDone, Delta
+from specdecode.server.responses import ChatStream, full_response
+from specdecode.server.runner import write_stream
 from specdecode.server.toolcalls import FORMATS, HermesFormat, HermesParser, parse_message, tool_call_format
 from test_server import ServerThread
 
@@ -285,11 +287,12 @@ def run_stream(req, pieces: list[str], res, logprobs: bool = False) -> list[dict
     """The chunks a stream of these text deltas gives (the worker's events, faked)."""
     async def go():
         job = SimpleNamespace(events=asyncio.Queue())
-        events = [("delta", (0, p, {"content": [p], "refusal": None} if logprobs else None, None)) for p in pieces]
-        events.append(("choice", (0, res, None)))
-        for e in events[1:]:
+        events = [Delta(0, p, {"content": [p], "refusal": None} if logprobs else None) for p in pieces]
+        events.append(ChoiceDone(0, res, None))
+        for e in events:
             job.events.put_nowait(e)
-        return [c async for c in stream("chat", MODEL, req, job, events[0], lambda r: {"drafted": 0})]
+        writer = ChatStream("chat", MODEL, req, lambda r: {"drafted": 0})
+        return [c async for c in write_stream(writer, job, 1)]
     chunks = asyncio.run(go())
     assert chunks[-1] == "data: [DONE]\n\n"
     return [json.loads(c[len("data: "):]) for c in chunks[:-1]]

@@ -214,6 +214,13 @@ class Decoder:
                 return fim_ids(self.target, prompt, messages, suffix, extra, fim_budget)
             return text_prompt_ids(self.target, prompt, messages, tools)
 
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """The target's token ids [N] of text (llama.cpp's /tokenize: no BOS unless
+        add_special, special tokens' texts read as those tokens unless parse_special is False)."""
+        with self._tokenizer_lock():
+            self.check_open()
+            return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+
     def _tokenizer_lock(self) -> Any:
         """What a tokenization holds: nothing where the target's tokenizer is thread-safe (a
         server prepares requests on another thread while generations step), else the lock."""

@@ -47,8 +47,6 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 MAX_DRAIN_BYTES = 1 << 30
 LOOPBACK_NAMES = ("localhost",)
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
-# Where errors are answered in Ollama's shape: its API's paths.
-OLLAMA_PATHS = "/api/"
 # The server's log of refused requests (uvicorn's access log says only "400 Bad Request").
 LOG = logging.getLogger("specdecode.server")
 
@@ -66,21 +64,26 @@ def log_refusal(e: APIError, path: str) -> None:
 
 def error_response(e: APIError, path: str = "") -> JSONResponse:
     """e as a JSON response with its status (a 429 also says when to retry, in seconds; a
-    401 names the scheme expected): OpenAI's error body, or for a request to ``path`` under
-    ``/api/`` (Ollama's API, :mod:`.ollama`) Ollama's, ``{"error": message}``."""
+    401 names the scheme expected): OpenAI's error body, or for a request to ``path`` under a
+    dialect's prefix that dialect's (:func:`.dialects.dialect_for`: Ollama's ``{"error":
+    message}`` under ``/api/``, Anthropic's under ``/v1/messages``)."""
     from fastapi.responses import JSONResponse
 
-    plain = path.startswith(OLLAMA_PATHS)
+    from .dialects import dialect_for
+
+    dialect = dialect_for(path)
+    shape = dialect.error_body if dialect is not None else APIError.body
     if 400 <= e.status < 500:
         log_refusal(e, path)
     headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    body = e.body()
     try:
-        return JSONResponse({"error": e.message} if plain else body, status_code=e.status, headers=headers)
+        return JSONResponse(shape(e), status_code=e.status, headers=headers)
     except UnicodeEncodeError:  # a message quoting text that is no Unicode (a lone surrogate): escaped
-        error = {k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
-                 for k, v in body["error"].items()}
-        return JSONResponse({"error": error["message"] if plain else error}, status_code=e.status, headers=headers)
+        def escaped(v: Any) -> Any:
+            return v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
+
+        clean = APIError(e.status, escaped(e.message), type=e.type, param=escaped(e.param), code=escaped(e.code))
+        return JSONResponse(shape(clean), status_code=e.status, headers=headers)
 
 
 async def drain(scope: dict, receive: Callable) -> None:
@@ -283,7 +286,8 @@ class AccessGuard:
 
 class APIKeyGuard:
     """ASGI middleware: every HTTP request but those for ``open_paths`` (so every /v1
-    request, and any path that is no route) must carry ``Authorization: Bearer <key>``;
+    request, and any path that is no route) must carry ``Authorization: Bearer <key>`` or
+    ``x-api-key: <key>`` (Anthropic's header, as Claude Code sends it);
     any other answers 401 (code invalid_api_key) before its body is read or anything
     reaches the worker (a CORS preflight, which browsers send without credentials, is
     answered by the CORS middleware outside this one). The keys are compared in
@@ -298,18 +302,24 @@ class APIKeyGuard:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open:
-            error = self._check(dict(scope["headers"]).get(b"authorization"))
+            headers = dict(scope["headers"])
+            error = self._check(headers.get(b"authorization"), headers.get(b"x-api-key"))
             if error is not None:
                 self._on_reject()
                 await error_response(error, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, header: bytes | None) -> APIError | None:
-        """None when header is "Bearer <the key>", else the 401 to answer."""
+    def _check(self, header: bytes | None, api_key: bytes | None = None) -> APIError | None:
+        """None when header is "Bearer <the key>" (or, without it, api_key is the key), else
+        the 401 to answer."""
+        if header is None and api_key is not None:
+            if not hmac.compare_digest(hashlib.sha256(api_key.strip()).digest(), self._digest):
+                return APIError(401, "incorrect API key provided (x-api-key)", code="invalid_api_key")
+            return None
         if header is None:
             return APIError(401, "no API key given: send it in an Authorization header (Authorization: Bearer "
-                            "YOUR_KEY)", code="invalid_api_key")
+                            "YOUR_KEY) or an x-api-key header", code="invalid_api_key")
         scheme, _, given = header.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not given.strip():
             return APIError(401, "the Authorization header must be 'Bearer YOUR_KEY'", code="invalid_api_key")

@@ -194,7 +194,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """
     s = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                               description="Serve an OpenAI-compatible HTTP API (/v1/completions, "
-                                          "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics). "
+                                          "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics), Anthropic's "
+                                          "/v1/messages, Ollama's /api/ and llama.cpp's /infill. "
                                           "Clients send "
                                           "--target as the model id.")
     add_model_options(s)
@@ -208,6 +209,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"require 'Authorization: Bearer KEY' on every /v1 request (401 otherwise; /health and "
                         f"/metrics stay open). Default: ${API_KEY_ENV} if set, else no authentication. The "
                         f"environment variable keeps the key out of the process list")
+    s.add_argument("--served-model-name", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="the model ids clients may send (vLLM's option): the first is the one the server reports "
+                        "(/v1/models, answers), the others aliases, e.g. the names an agent sends for its side "
+                        "calls (claude-haiku-4-5). Default: --target's name")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="largest request body read, in bytes; a larger one gets 413 (default: %(default)s = 4 MiB)")
     s.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME...]",

@@ -114,6 +114,8 @@ class ServerOptions:
     ``--parallel`` slots included, are the :class:`specdecode.api.Decoder`'s).
 
     model_name: the id clients must send as ``model`` (None: the decoder's target name).
+    served_model_names: more ids a client may send as ``model`` for the same model (aliases,
+        ``serve --served-model-name``, vLLM's option; ``model_name`` is then the first).
     host, port: where ``specdecode serve`` (or Ray Serve's proxy) listens.
     max_queue: requests that may wait for a free slot (>= 1); more get 429.
     max_body_bytes: the largest request body read (>= 1); a larger one gets 413.
@@ -149,6 +151,7 @@ class ServerOptions:
     """
 
     model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -180,6 +183,11 @@ class ServerOptions:
             raise _OptionError("api_key", self.api_key, "a non-empty string of printable ASCII without spaces, as "
                                "clients send it in 'Authorization: Bearer <key>' (or None for no authentication)",
                                problem="is not valid", show_value=False)
+        names = (self.served_model_names,) if isinstance(self.served_model_names, str) else self.served_model_names
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n.strip() for n in names):
+            raise _OptionError("served_model_names", self.served_model_names, "model ids (non-empty strings)",
+                               problem="is not valid")
+        object.__setattr__(self, "served_model_names", tuple(names))
         _check_int("port", self.port, 0, 65535)
         _check_int("max_queue", self.max_queue, 1)
         _check_int("max_body_bytes", self.max_body_bytes, 1)
@@ -229,7 +237,8 @@ class ServerOptions:
         if autoscaling is not None:
             autoscaling = _json_object(autoscaling, "--autoscaling")
         try:
-            return cls(model_name=args.target, host=args.host, port=args.port, max_queue=args.max_queue,
+            names = _listed(getattr(args, "served_model_name", None))
+            return cls(model_name=names[0] if names else args.target, served_model_names=names, host=args.host, port=args.port, max_queue=args.max_queue,
                        max_body_bytes=args.max_body_bytes, api_key=api_key, warmup=True, replicas=args.replicas,
                        autoscaling=autoscaling, metrics_port=args.metrics_port, ui=args.ui,
                        allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins),

@@ -338,36 +338,3 @@ def infill_error(e: APIError) -> APIError:
         return e  # (prompt is also /infill's own field: its own errors keep its name)
     message = e.message.replace("max_tokens", "n_predict") if e.param == "max_tokens" else e.message
     return APIError(e.status, message, e.type, _RENAMED[e.param], e.code)
-
-
-async def serve(routes: Any, request: Any, sse_class: Any) -> Any:
-    """``POST /infill`` on the app's routes (:class:`specdecode.server.app._Routes`): parsed,
-    prepared and queued by ``routes._submit`` (limits, access checks, the queue, speculation),
-    answered whole or streamed (sse_class(content, on_close)). The limits' clock is
-    ``app.state.infill_clock`` where set (tests), else time.perf_counter. Raises APIError."""
-    from fastapi.responses import JSONResponse
-
-    from .infill_response import InfillAnswer, stream_infill
-
-    parsed: list[InfillRequest] = []
-    clock = getattr(routes.app.state, "infill_clock", None) or time.perf_counter
-
-    def parse(body: Any) -> GenRequest:
-        fim_model = routes.decoder.target.fim_tokens is not None
-        parsed.append(parse_infill(body, routes.model_name, routes.worker.n_ctx, fim_model, clock,
-                                   routes.options.strict))
-        return parsed[0].req
-
-    try:
-        job = await routes._submit(request, parse)
-    except APIError as e:
-        raise infill_error(e) from None
-    answer = InfillAnswer(parsed[0], routes.model_name, routes.worker.n_ctx)
-    first = await routes._first_events(request, job)
-    if not isinstance(first, list):
-        return first
-    if first[-1][0] == "error":
-        raise infill_error(first[-1][1])
-    if job.req.stream:
-        return sse_class(stream_infill(answer, job, None), on_close=lambda: routes.worker.cancel(job))
-    return JSONResponse(answer.body([event[1] for event in first]))

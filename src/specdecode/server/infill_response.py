@@ -7,9 +7,13 @@ draft counts, the ``response_fields`` projection, and the stream of ``data: {...
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+import time
+from typing import Any
 
-from .jobs import Job
+from .apierror import APIError
+from .infill import InfillRequest, infill_error, parse_infill
+from .jobs import ChoiceDone, Delta
+from .runner import Dialect, StreamWriter
 
 # llama.cpp's stop_type names (stop_type_to_str).
 STOP_EOS, STOP_WORD, STOP_LIMIT = "eos", "word", "limit"
@@ -112,8 +116,8 @@ class InfillAnswer:
 
     def body(self, choices: list) -> dict | list:
         """A whole answer: the one result object, or with n_cmpl > 1 the list of them (as
-        llama.cpp answers several completions). choices: (index, GenerationResult, _) each."""
-        objects = [self.final(index, result, stream=False) for index, result, _ in choices]
+        llama.cpp answers several completions). choices: each choice's ChoiceDone event."""
+        objects = [self.final(c.index, c.result, stream=False) for c in choices]
         return objects[0] if len(objects) == 1 else objects
 
     def partial(self, index: int, text: str, n_prompt: int | None, trace: dict | None) -> dict:
@@ -129,30 +133,53 @@ def _event(obj: dict, name: str = "data") -> str:
     return f"{name}: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def stream_infill(answer: InfillAnswer, job: Job, first: tuple[str, Any] | None) -> AsyncIterator[str]:
+class InfillStream(StreamWriter):
     """The stream as llama.cpp sends it: ``data: {...}`` events with each piece of ``content``
     and ``stop`` false, then per completion its result object with ``stop`` true, content ""
     and the timings; no ``[DONE]``. An error after the first event is an ``error: {...}``
-    event, as llama.cpp's, and ends the stream. With first None the stream opens at once, before
-    the prompt is read, with an empty piece of content."""
-    n_prompt = len(job.prepared.ids) if job.prepared is not None else None
-    done, event = 0, first
-    if event is None:
-        yield _event(answer.partial(0, "", n_prompt, None))
-        event = await job.events.get()
-    while True:
-        kind, value = event
-        if kind == "error":
-            yield _event(value.body(), "error")
-            return
-        if kind == "delta":
-            index, text, _, trace = value
-            if text or trace is not None:
-                yield _event(answer.partial(index, text, n_prompt, trace))
-        else:
-            index, result, _ = value
-            yield _event(answer.final(index, result, stream=True))
-            done += 1
-            if done == answer.ir.req.n:
-                return
-        event = await job.events.get()
+    event, as llama.cpp's, and ends the stream. It opens at once, before the prompt is read,
+    with an empty piece of content. n_prompt: the prompt's tokens (None: not known)."""
+
+    def __init__(self, answer: InfillAnswer, n_prompt: int | None) -> None:
+        self.answer = answer
+        self.n_prompt = n_prompt
+
+    def open(self) -> list[str]:
+        return [_event(self.answer.partial(0, "", self.n_prompt, None))]
+
+    def delta(self, event: Delta) -> list[str]:
+        if not event.text and event.trace is None:
+            return []
+        return [_event(self.answer.partial(event.index, event.text, self.n_prompt, event.trace))]
+
+    def choice(self, event: ChoiceDone, last: bool) -> list[str]:
+        return [_event(self.answer.final(event.index, event.result, stream=True))]
+
+    def failed(self, error: APIError) -> list[str]:
+        return [_event(error.body(), "error")]
+
+
+class InfillDialect(Dialect):
+    """llama.cpp's ``POST /infill`` (:mod:`.infill`): parsed into a request of kind "infill",
+    answered with llama.cpp's result objects. The limits' clock is ``app.state.infill_clock``
+    where set (tests), else time.perf_counter."""
+
+    path = "/infill"
+
+    def parse(self, body: Any, server: Any) -> InfillRequest:
+        clock = getattr(server.app.state, "infill_clock", None) or time.perf_counter
+        fim_model = server.decoder.target.fim_tokens is not None
+        return parse_infill(body, server.model_name, server.worker.n_ctx, fim_model, clock, server.options.strict)
+
+    def rename(self, error: APIError, parsed: Any) -> APIError:
+        return infill_error(error)
+
+    def whole(self, parsed: InfillRequest, choices: list[ChoiceDone], job: Any, server: Any) -> dict | list:
+        return InfillAnswer(parsed, server.model_name, server.worker.n_ctx).body(choices)
+
+    def writer(self, parsed: InfillRequest, job: Any, server: Any) -> InfillStream:
+        n_prompt = len(job.prepared.ids) if job.prepared is not None else None
+        return InfillStream(InfillAnswer(parsed, server.model_name, server.worker.n_ctx), n_prompt)
+
+
+DIALECT = InfillDialect()

@@ -11,8 +11,9 @@ import functools
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Union
 
+from .apierror import APIError
 from .prepare import Prepared
 from .protocol import GenRequest
 
@@ -22,11 +23,50 @@ from .protocol import GenRequest
 EVENT_OVERHEAD_BYTES = 256
 
 
+@dataclass(frozen=True)
+class Started:
+    """A stream's generation had its options accepted and its prompt is about to be read:
+    the stream may open (posted for choice 0 of a streamed request only)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of choice ``index`` (streamed requests only): ``logprobs``, the logprobs object
+    of the tokens the text completes or None; ``trace``, its speculation_trace or None."""
+
+    index: int
+    text: str
+    logprobs: dict | None = None
+    trace: dict | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceDone:
+    """Choice ``index`` is finished: its GenerationResult, and its logprobs object (None for a
+    stream, which has sent them with its deltas)."""
+
+    index: int
+    result: Any
+    logprobs: dict | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ended with ``error``; nothing follows."""
+
+    error: APIError
+
+
+Event = Union[Started, Delta, ChoiceDone, Failed]
+
+
 class EventQueue(asyncio.Queue):
     """A job's events, in order, with what they hold unread counted: ``unread`` is the bytes
     of the events posted (:meth:`Job.post`, worker thread) and not yet taken by ``get``
     (event loop), so that the worker can end a stream whose client stopped reading. Its
-    items are (kind, value, size in bytes); ``get`` returns (kind, value)."""
+    items are (event, size in bytes); ``get`` returns the :data:`Event`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,11 +78,11 @@ class EventQueue(asyncio.Queue):
         with self._lock:
             self.unread += size
 
-    def _get(self) -> tuple[str, Any]:  # asyncio.Queue's hook for what get() returns
-        kind, value, size = super()._get()
+    def _get(self) -> Event:  # asyncio.Queue's hook for what get() returns
+        event, size = super()._get()
         with self._lock:
             self.unread -= size
-        return kind, value
+        return event
 
 
 def event_size(text: str, *extra: Any) -> int:
@@ -57,13 +97,11 @@ class Job:
     """One request on its way through the worker.
 
     arrival: time.perf_counter() seconds when the request arrived. events: what the
-    worker posts, as (kind, value), choice after choice (index 0..n-1): while streaming
-    ("delta", (index, text, logprobs object of the tokens the text completes or None,
-    speculation_trace or None));
-    at the end of each choice ("choice", (index, GenerationResult, logprobs object or
-    None: a stream has sent them all with its deltas)); or, at any point, ("error",
-    APIError), after which nothing follows; ``events.unread`` counts the bytes of the deltas
-    not yet read. cancelled: set when the client is gone or the server stops.
+    worker posts (:data:`Event`), choice after choice (index 0..n-1): a stream's
+    :class:`Started`, its :class:`Delta` s while streaming, a :class:`ChoiceDone` at the end
+    of each choice; or, at any point, :class:`Failed`, after which nothing follows;
+    ``events.unread`` counts the bytes of the deltas not yet read. cancelled: set when the
+    client is gone or the server stops.
     """
 
     req: GenRequest
@@ -73,12 +111,12 @@ class Job:
     events: EventQueue = field(default_factory=EventQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
-    def post(self, kind: str, value: Any, size: int = 0) -> None:
+    def post(self, event: Event, size: int = 0) -> None:
         """Hand an event to the asyncio side (called from the worker thread); size: the bytes
         it holds until read, counted in ``events.unread`` from now on."""
         self.events.count(size)
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value, size))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (event, size))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 

@@ -29,28 +29,24 @@ stream has begun is its last line, as Ollama's.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from .access import error_response
 from .apierror import APIError
 from .body import parse_json_body, read_body
-from .jobs import closing_stream
-from .ollama_models import OLLAMA_API_VERSION, model_card
+from .jobs import ChoiceDone, Delta
+from .ollama_models import OLLAMA_API_VERSION, ModelCard, model_card
 from .ollama_protocol import OllamaRequest, check_model, parse_chat, parse_generate, rename_error
+from .runner import Dialect, StreamWriter
 from .toolcalls import parse_message
 
+# Where errors are answered in Ollama's shape: its API's paths.
+OLLAMA_PATHS = "/api/"
+
 if TYPE_CHECKING:
-    from fastapi import FastAPI, Request
+    from fastapi import Request
     from fastapi.responses import Response
-
-    from .jobs import Job
-
-
-class _LoadCall(Exception):
-    """A request with nothing to generate (Ollama's "load the model" call): no job."""
 
 
 def _now() -> str:
@@ -59,18 +55,6 @@ def _now() -> str:
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
-
-
-def _errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-    """Every APIError of an Ollama route answered in Ollama's shape."""
-    @functools.wraps(handler)
-    async def wrapped(self: Any, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except APIError as e:
-            return error_response(e, request.url.path)
-
-    return wrapped
 
 
 def _line(obj: dict) -> str:
@@ -168,106 +152,102 @@ class _Answer:
         return tail + [self.final(result)]
 
 
-async def _stream(answer: _Answer, job: Job) -> AsyncIterator[str]:
+class OllamaStream(StreamWriter):
     """The NDJSON lines of a stream: an empty chunk at once (before the prompt is read), a chunk
     per delta, then the last object; an error event is the last line ({"error": ...})."""
-    yield _line(answer.chunk(""))
-    event = await job.events.get()
-    while True:
-        kind, value = event
-        if kind == "error":
-            yield _line({"error": rename_error(value, answer.p.endpoint, answer.p.system).message})
-            return
-        for obj in answer.text(value[1]) if kind == "delta" else answer.end(value[1]):
-            yield _line(obj)
-        if kind == "choice":
-            return
-        event = await job.events.get()
+
+    def __init__(self, answer: _Answer) -> None:
+        self.answer = answer
+
+    def open(self) -> list[str]:
+        return [_line(self.answer.chunk(""))]
+
+    def delta(self, event: Delta) -> list[str]:
+        return [_line(obj) for obj in self.answer.text(event.text)]
+
+    def choice(self, event: ChoiceDone, last: bool) -> list[str]:
+        return [_line(obj) for obj in self.answer.end(event.result)]
+
+    def failed(self, error: APIError) -> list[str]:
+        return [_line({"error": error.message})]
 
 
-class OllamaRoutes:
-    """The Ollama endpoints around the app's routes object (``app._Routes``: its worker, model
-    name, options, and the ``_submit`` / ``_first_events`` every generation request goes through)."""
+def card(server: Any) -> ModelCard:
+    """The served model's card (made once per server)."""
+    found = server.shared.get("ollama_card")
+    if found is None:
+        w = server.worker
+        found = server.shared["ollama_card"] = model_card(server.decoder.target, server.model_name, w.n_ctx,
+                                                          w.tool_format is not None, server.created)
+    return found
 
-    def __init__(self, routes: Any) -> None:
-        self.routes = routes
-        self.worker = routes.worker
-        self.card = model_card(routes.decoder.target, routes.model_name, self.worker.n_ctx,
-                               self.worker.tool_format is not None, routes.created)
 
-    def add_to(self, app: FastAPI) -> None:
-        app.add_route("/api/version", self.version, methods=["GET"])
-        app.add_route("/api/tags", self.tags, methods=["GET"])
-        app.add_route("/api/ps", self.ps, methods=["GET"])
-        app.add_route("/api/show", self.show, methods=["POST"])
-        app.add_route("/api/chat", self.chat, methods=["POST"])
-        app.add_route("/api/generate", self.generate, methods=["POST"])
+class OllamaDialect(Dialect):
+    """``POST /api/chat`` or ``POST /api/generate`` (endpoint "chat" or "generate"): the request
+    translated (:mod:`.ollama_protocol`) and run as one job like a chat completion; errors in
+    Ollama's shape under ``/api/``. The chat dialect also lists Ollama's other endpoints."""
 
-    async def version(self, request: Request) -> Response:
-        from fastapi.responses import JSONResponse
+    prefix = OLLAMA_PATHS
+    media_type = "application/x-ndjson"
+    stream_headers = {"Cache-Control": "no-cache"}
 
-        return JSONResponse({"version": OLLAMA_API_VERSION})
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.path = f"/api/{endpoint}"
 
-    async def tags(self, request: Request) -> Response:
-        from fastapi.responses import JSONResponse
+    def routes(self, server: Any) -> list:
+        if self.endpoint != "chat":
+            return []
 
-        return JSONResponse({"models": [self.card.tags_entry()]})
+        async def version(request: Request) -> Response:
+            from fastapi.responses import JSONResponse
 
-    async def ps(self, request: Request) -> Response:
-        from fastapi.responses import JSONResponse
+            return JSONResponse({"version": OLLAMA_API_VERSION})
 
-        return JSONResponse({"models": [self.card.ps_entry()]})
+        async def tags(request: Request) -> Response:
+            from fastapi.responses import JSONResponse
 
-    @_errors
-    async def show(self, request: Request) -> Response:
-        """``POST /api/show``: the model named by ``model`` (or ``name``, older clients' field)."""
-        from fastapi.responses import JSONResponse
+            return JSONResponse({"models": [card(server).tags_entry()]})
 
-        body = parse_json_body(await read_body(request, self.routes.options.max_body_bytes))
-        if not isinstance(body, dict):
-            raise APIError(400, f"the request body must be a JSON object with model, got {body!r:.60}")
-        check_model({"model": body.get("model") or body.get("name")}, self.card)
-        return JSONResponse(self.card.show())
+        async def ps(request: Request) -> Response:
+            from fastapi.responses import JSONResponse
 
-    @_errors
-    async def chat(self, request: Request) -> Response:
-        return await self._run(request, "chat")
+            return JSONResponse({"models": [card(server).ps_entry()]})
 
-    @_errors
-    async def generate(self, request: Request) -> Response:
-        return await self._run(request, "generate")
+        async def show(request: Request) -> Response:
+            """``POST /api/show``: the model named by ``model`` (or ``name``, older clients' field)."""
+            from fastapi.responses import JSONResponse
 
-    async def _run(self, request: Request, endpoint: str) -> Response:
-        """One generation request: parsed, queued on the worker as a job, answered whole or
-        as an NDJSON stream (opened once the generation's options are accepted, before its prompt is
-        read: an error found until then still gets its status)."""
-        from fastapi.responses import JSONResponse
+            body = parse_json_body(await read_body(request, server.options.max_body_bytes))
+            if not isinstance(body, dict):
+                raise APIError(400, f"the request body must be a JSON object with model, got {body!r:.60}")
+            body = server.resolve_model({"model": body.get("model") or body.get("name")})
+            check_model(body, card(server))
+            return JSONResponse(card(server).show())
 
-        parsed: list[OllamaRequest] = []
-        options = self.routes.options
+        return [("/api/version", version, ["GET"]), ("/api/tags", tags, ["GET"]), ("/api/ps", ps, ["GET"]),
+                ("/api/show", show, ["POST"])]
 
-        def parse(body: Any) -> Any:
-            read = parse_chat if endpoint == "chat" else parse_generate
-            parsed.append(read(body, self.card, self.worker.n_ctx, self.worker.tool_format, options.strict))
-            if parsed[0].req is None:
-                raise _LoadCall()
-            return parsed[0].req
+    def parse(self, body: Any, server: Any) -> OllamaRequest:
+        read = parse_chat if self.endpoint == "chat" else parse_generate
+        w = server.worker
+        return read(body, card(server), w.n_ctx, w.tool_format, server.options.strict)
 
-        try:
-            job = await self.routes._submit(request, parse)
-        except _LoadCall:
-            return JSONResponse(_Answer(parsed[0], time.perf_counter()).loaded())
-        except APIError as e:
-            raise rename_error(e, endpoint, parsed[0].system) if parsed else e from None
-        p = parsed[0]
-        answer = _Answer(p, job.arrival)
-        first = await self.routes._first_events(request, job)
-        if not isinstance(first, list):
-            return first  # the client left (499)
-        event = first[-1]
-        if event[0] == "error":
-            raise rename_error(event[1], endpoint, p.system)
-        if p.req.stream:
-            return closing_stream(_stream(answer, job), on_close=lambda: self.worker.cancel(job),
-                                  media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(answer.whole(event[1][1]))
+    def rename(self, error: APIError, parsed: OllamaRequest | None) -> APIError:
+        return error if parsed is None else rename_error(error, self.endpoint, parsed.system)
+
+    def error_body(self, error: APIError) -> dict:
+        return {"error": error.message}
+
+    def no_job(self, parsed: OllamaRequest, server: Any) -> dict:
+        return _Answer(parsed, time.perf_counter()).loaded()
+
+    def whole(self, parsed: OllamaRequest, choices: list[ChoiceDone], job: Any, server: Any) -> dict:
+        return _Answer(parsed, job.arrival).whole(choices[-1].result)
+
+    def writer(self, parsed: OllamaRequest, job: Any, server: Any) -> OllamaStream:
+        return OllamaStream(_Answer(parsed, job.arrival))
+
+
+CHAT = OllamaDialect("chat")
+GENERATE = OllamaDialect("generate")

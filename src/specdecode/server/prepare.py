@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from jinja2 import TemplateError
 
@@ -71,10 +71,16 @@ class Preparer:
     async def prepare_async(self, req: GenRequest) -> Prepared:
         """:meth:`prepare` on the preparation thread, so that neither the event loop nor the
         worker's steps wait for it (the worker itself prepares when that thread is gone)."""
+        return await self.run_async(self.prepare, req)
+
+    async def run_async(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the preparation thread (tokenizing a text, for /tokenize and
+        count_tokens), or on the caller's where it is not started. Raises what fn raises, and
+        APIError 503 once the server is shutting down."""
         if self._preparer is None:
-            return self.prepare(req)
+            return fn(*args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._preparer, self.prepare, req)
+            return await asyncio.get_running_loop().run_in_executor(self._preparer, fn, *args)
         except (RuntimeError, asyncio.CancelledError):  # the preparer shut down (its queue cancelled)
             if not self._stopping:
                 raise

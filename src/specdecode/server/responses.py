@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
+from .apierror import APIError
 from .extensions import completion_details
-from .protocol import GenRequest
+from .jobs import ChoiceDone, Delta
+from .protocol import GenRequest, parse_request
+from .runner import Dialect, StreamWriter
 from .toolcalls import finish_reason, parse_message
 from .tools import ToolRequest
-from .jobs import Job
 
 
 def sse(obj: dict | str) -> str:
@@ -131,59 +134,88 @@ class _Choices:
         return out + [self.chunk(index, {} if self.chat else "", finish=reason, logprobs=logprobs)]
 
 
-async def stream(kind: str, model_name: str, req: GenRequest, job: Job, first: tuple[str, Any] | None,
-                 speculation: Callable[[Any], dict]) -> AsyncIterator[str]:
+class ChatStream(StreamWriter):
     """The SSE chunks of a stream, choice after choice (each opened, for chat, by its role
     chunk and closed by its finish_reason chunk); then, as OpenAI does, with
     stream_options.include_usage only, one chunk with empty choices and the request's
     usage (every other chunk then has usage null; without the option no chunk has usage);
-    then [DONE]."""
-    head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model_name, "system_fingerprint": None}
-    if req.include_usage:
-        head["usage"] = None
-    choices = _Choices(kind, head, req.tools)
-    results: list = []
-    event = first
-    if event is None:
+    then [DONE]. speculation(result): a choice's statistics."""
+
+    def __init__(self, kind: str, model_name: str, req: GenRequest, speculation: Callable[[Any], dict]) -> None:
+        self.head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+                     "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                     "created": int(time.time()), "model": model_name, "system_fingerprint": None}
+        if req.include_usage:
+            self.head["usage"] = None
+        self.req = req
+        self.speculation = speculation
+        self.choices = _Choices(kind, self.head, req.tools)
+        self.results: list = []
+
+    def open(self) -> list[str]:
         # The stream opens before the prompt is read (a long prefill takes minutes on a CPU):
-        # chat's role chunk, a completion's empty text, then the job's events.
-        for c in choices.open(0) if choices.chat else [choices.chunk(0, "")]:
-            yield sse(c)
-        event = await job.events.get()
-    while True:
-        kind_, value = event
-        if kind_ == "error":
-            yield sse(value.body())
-            break
-        index = value[0]
-        for c in choices.open(index):
-            yield sse(c)
-        if kind_ == "delta":
-            chunks = choices.text(index, value[1], value[2])
-            if chunks and value[3] is not None:  # speculative.trace: where this text came from
-                chunks[0]["speculation_trace"] = value[3]
-            for c in chunks:
-                yield sse(c)
-        else:
-            _, result, logprobs = value
-            results.append(result)
-            last = len(results) == req.n
-            spec = speculation(result)
-            *chunks, final = choices.end(index, result, logprobs)
-            if req.n > 1:
-                final["choices"][0]["speculation"] = spec
-            if last and req.n == 1:
-                final["speculation"] = spec
-            for c in (*chunks, final):
-                yield sse(c)
-            if last:
-                if req.include_usage:
-                    tail = {**head, "choices": [], "usage": _usage(results)}
-                    if req.n == 1:
-                        tail["speculation"] = spec
-                    yield sse(tail)
-                break
-        event = await job.events.get()
-    yield sse("[DONE]")
+        # chat's role chunk, a completion's empty text.
+        return [sse(c) for c in (self.choices.open(0) if self.choices.chat else [self.choices.chunk(0, "")])]
+
+    def delta(self, event: Delta) -> list[str]:
+        chunks = self.choices.open(event.index)
+        text = self.choices.text(event.index, event.text, event.logprobs)
+        if text and event.trace is not None:  # speculative.trace: where this text came from
+            text[0]["speculation_trace"] = event.trace
+        return [sse(c) for c in chunks + text]
+
+    def choice(self, event: ChoiceDone, last: bool) -> list[str]:
+        req, result = self.req, event.result
+        self.results.append(result)
+        spec = self.speculation(result)
+        *chunks, final = self.choices.open(event.index) + self.choices.end(event.index, result, event.logprobs)
+        if req.n > 1:
+            final["choices"][0]["speculation"] = spec
+        if last and req.n == 1:
+            final["speculation"] = spec
+        out = [sse(c) for c in (*chunks, final)]
+        if last and req.include_usage:
+            tail = {**self.head, "choices": [], "usage": _usage(self.results)}
+            if req.n == 1:
+                tail["speculation"] = spec
+            out.append(sse(tail))
+        return out
+
+    def failed(self, error: APIError) -> list[str]:
+        return [sse(error.body()), sse("[DONE]")]
+
+    def close(self) -> list[str]:
+        return [sse("[DONE]")]
+
+
+@dataclass
+class OpenAIRequest:
+    """A parsed Chat Completions or Completions body: the request it runs as."""
+
+    req: GenRequest
+
+
+class OpenAIDialect(Dialect):
+    """Chat Completions (kind "chat", ``POST /v1/chat/completions``) or Completions (kind
+    "completion", ``POST /v1/completions``): OpenAI's bodies (:func:`.protocol.parse_request`),
+    answers and errors."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        self.kind = kind
+        self.path = path
+
+    def parse(self, body: Any, server: Any) -> OpenAIRequest:
+        w = server.worker
+        return OpenAIRequest(parse_request(body, self.kind, server.model_name, w.n_ctx,
+                                           w.tool_format, server.options.strict))
+
+    def whole(self, parsed: OpenAIRequest, choices: list[ChoiceDone], job: Any, server: Any) -> dict:
+        return full_response(self.kind, server.model_name, [(c.index, c.result, c.logprobs) for c in choices],
+                             server.speculation, parsed.req.tools)
+
+    def writer(self, parsed: OpenAIRequest, job: Any, server: Any) -> ChatStream:
+        return ChatStream(self.kind, server.model_name, parsed.req, server.speculation)
+
+
+CHAT = OpenAIDialect("chat", "/v1/chat/completions")
+COMPLETIONS = OpenAIDialect("completion", "/v1/completions")

@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from .responses_api import ResponsesRequest
+from ..messages import json_repr
+from .apierror import APIError
+from .jobs import ChoiceDone, Delta
+from .responses_api import ResponsesRequest, parse_responses, rename_error
+from .runner import Dialect, StreamWriter
 from .toolcalls import parse_message
-from .jobs import Job
 
 
 def _id(prefix: str) -> str:
@@ -166,44 +169,101 @@ class _Events:
         return out
 
 
-async def stream_events(builder: ResponseBuilder, job: Job, first: tuple[str, Any] | None,
-                        on_done: Callable[[dict], None]) -> AsyncIterator[str]:
+class ResponsesStream(StreamWriter):
     """The stream of one response: created, in_progress, the items' events as the text comes
     (a message's text deltas, a call's argument deltas), then completed (or incomplete, or,
     after an error, an ``error`` event and failed); on_done(response object) when it completes.
-    created and in_progress go out at once, before the prompt is read (first None: the
-    job's first event is awaited after them)."""
-    events = _Events(builder)
-    start = builder.object("in_progress", [])
-    yield events.event("response.created", response=start)
-    yield events.event("response.in_progress", response=start)
-    tools = builder.rr.req.tools
-    parser = tools.parser() if tools is not None else None
-    event = first if first is not None else await job.events.get()
-    while True:
-        kind, value = event
-        if kind == "error":
-            error = {"code": value.code or value.type, "message": value.message}
-            yield events.event("error", code=error["code"], message=value.message, param=value.param)
-            yield events.event("response.failed", response=builder.object("failed", events.output, error=error))
-            return
-        if kind == "delta":
-            for part in parser.feed(value[1]) if parser is not None else [("content", value[1])]:
-                for e in events.part(part):
-                    yield e
-        else:
-            result = value[1]
-            for part in parser.close() if parser is not None else []:
-                for e in events.part(part):
-                    yield e
-            if not events.output and events.open is None:  # an empty text: an empty message, as in full()
-                for e in events.open_message():
-                    yield e
-            for e in events.close():
-                yield e
-            status = builder.status_of(result)
-            response = builder.object(status, events.output, result)
-            on_done(response)
-            yield events.event(f"response.{status}", response=response)
-            return
-        event = await job.events.get()
+    created and in_progress go out at once, before the prompt is read."""
+
+    def __init__(self, builder: ResponseBuilder, on_done: Callable[[dict], None]) -> None:
+        self.builder = builder
+        self.on_done = on_done
+        self.events = _Events(builder)
+        tools = builder.rr.req.tools
+        self.parser = tools.parser() if tools is not None else None
+
+    def open(self) -> list[str]:
+        start = self.builder.object("in_progress", [])
+        return [self.events.event("response.created", response=start),
+                self.events.event("response.in_progress", response=start)]
+
+    def delta(self, event: Delta) -> list[str]:
+        parts = self.parser.feed(event.text) if self.parser is not None else [("content", event.text)]
+        return [e for part in parts for e in self.events.part(part)]
+
+    def choice(self, event: ChoiceDone, last: bool) -> list[str]:
+        events, result = self.events, event.result
+        out = [e for part in (self.parser.close() if self.parser is not None else []) for e in events.part(part)]
+        if not events.output and events.open is None:  # an empty text: an empty message, as in full()
+            out += events.open_message()
+        out += events.close()
+        status = self.builder.status_of(result)
+        response = self.builder.object(status, events.output, result)
+        self.on_done(response)
+        return out + [events.event(f"response.{status}", response=response)]
+
+    def failed(self, error: APIError) -> list[str]:
+        body = {"code": error.code or error.type, "message": error.message}
+        return [self.events.event("error", code=body["code"], message=error.message, param=error.param),
+                self.events.event("response.failed", response=self.builder.object("failed", self.events.output,
+                                                                                  error=body))]
+
+
+class ResponsesDialect(Dialect):
+    """``POST /v1/responses`` (:mod:`.responses_api`): the request translated to chat, run
+    like one, answered as a response object or its stream of events; stored (for
+    ``previous_response_id`` and ``GET /v1/responses/{id}``) unless ``store`` is false."""
+
+    path = "/v1/responses"
+
+    def routes(self, server: Any) -> list:
+        async def stored(request: Any) -> Any:
+            return await stored_response(server, request)
+
+        return [("/v1/responses/{response_id}", stored, ["GET", "DELETE"])]
+
+    def parse(self, body: Any, server: Any) -> ResponsesRequest:
+        w = server.worker
+        return parse_responses(body, server.model_name, w.n_ctx, w.tool_format, server.store, server.options.strict)
+
+    def rename(self, error: APIError, parsed: Any) -> APIError:
+        return rename_error(error)
+
+    @staticmethod
+    def _keep(rr: ResponsesRequest, builder: ResponseBuilder, server: Any) -> Callable[[dict], None]:
+        def keep(response: dict) -> None:
+            # One response larger than the whole store is not kept: it says so (store false).
+            if rr.store and not server.store.put(response, builder.history(response["output"])):
+                response["store"] = False
+
+        return keep
+
+    def whole(self, parsed: ResponsesRequest, choices: list[ChoiceDone], job: Any, server: Any) -> dict:
+        builder = ResponseBuilder(parsed, server.model_name, server.speculation)
+        response = builder.full(choices[-1].result)
+        self._keep(parsed, builder, server)(response)
+        return response
+
+    def writer(self, parsed: ResponsesRequest, job: Any, server: Any) -> ResponsesStream:
+        builder = ResponseBuilder(parsed, server.model_name, server.speculation)
+        return ResponsesStream(builder, self._keep(parsed, builder, server))
+
+
+async def stored_response(server: Any, request: Any) -> Any:
+    """``GET`` (the object) or ``DELETE`` a stored response; 404 naming the id when it is not stored."""
+    from fastapi.responses import JSONResponse, Response
+
+    store = server.store
+    response_id = request.path_params["response_id"]
+    found = store.response_json(response_id)
+    if found is None or (request.method == "DELETE" and not store.delete(response_id)):
+        raise APIError(404, f"no stored response has the id {json_repr(response_id)}: this server keeps the last "
+                       f"{store.max_responses} responses made with store true (at most "
+                       f"{store.max_bytes // 2**20} MiB of their JSON), in memory",
+                       type="not_found_error", param="response_id", code="response_not_found")
+    if request.method == "DELETE":
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+    return Response(found, media_type="application/json")
+
+
+DIALECT = ResponsesDialect()

@@ -23,7 +23,7 @@ from .config import ServerOptions
 from .prepare import Prepared, Preparer, request_error
 from .extensions import trace_of
 from .metrics import Metrics
-from .jobs import Job, event_size
+from .jobs import ChoiceDone, Delta, Failed, Job, Started, event_size
 from .logprobs_format import LogprobsFormat
 from .protocol import APIError, GenRequest
 from .toolcalls import tool_call_format
@@ -122,7 +122,7 @@ class Worker:
             self._stop = True
             for job in self._waiting:
                 job.cancelled.set()
-                job.post("error", APIError(503, "the server is shutting down", type="server_error"))
+                job.post(Failed(APIError(503, "the server is shutting down", type="server_error")))
             self._waiting.clear()
             for r in self._active:
                 r.job.cancelled.set()
@@ -235,7 +235,7 @@ class Worker:
     def _fail(self, r: _Running, error: APIError) -> None:
         """End the job with an error event and free its slot."""
         self._release(r)
-        r.job.post("error", error)
+        r.job.post(Failed(error))
 
     def _release(self, r: _Running) -> None:
         if r.gen is not None:
@@ -258,7 +258,7 @@ class Worker:
     def _begin_choice(self, r: _Running) -> None:
         p = r.prepared
         # A stream opens once its first choice's options are accepted, before the prompt is read.
-        opened = (lambda: r.job.post("started", r.index)) if r.job.req.stream and r.index == 0 else None
+        opened = (lambda: r.job.post(Started(r.index))) if r.job.req.stream and r.index == 0 else None
         r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs),
                                    accepted=opened, chunked=True)  # read by _step, a chunk at a time
         # A request kind's own stop rule (an /infill request's, :class:`.infill.InfillGenRequest`),
@@ -274,7 +274,7 @@ class Worker:
         # Read only when someone still listens: a stream or a request the shutdown stops.
         message = ("the server is shutting down: the request was stopped before its end" if shutdown else
                    "the request was cancelled (client gone or server shutting down)")
-        r.job.post("error", APIError(503, message, type="server_error"))
+        r.job.post(Failed(APIError(503, message, type="server_error")))
 
     def _unread_over(self, r: _Running) -> None:
         """The job's client has left more than max_unread_bytes of its stream unread (it
@@ -322,7 +322,7 @@ class Worker:
             trace = None
             if r.job.req.trace:
                 trace = trace_of(delta, (r.gen.drafter.explain() or None) if r.gen is not None else None)
-            r.job.post("delta", (r.index, text, lp, trace), event_size(text, lp, trace))
+            r.job.post(Delta(r.index, text, lp, trace), event_size(text, lp, trace))
 
     def _finish_choice(self, r: _Running) -> None:
         """The current choice is done: post its tail and result, then begin the next choice
@@ -338,7 +338,7 @@ class Worker:
         lp = None if r.logprobs is None or req.stream else r.logprobs.format(result.logprobs or [])
         r.results.append((result, lp))
         if r.index < req.n - 1:
-            r.job.post("choice", (r.index, result, lp))
+            r.job.post(ChoiceDone(r.index, result, lp))
             r.index += 1
             if r.job.cancelled.is_set():
                 return self._cancelled(r)
@@ -350,4 +350,4 @@ class Worker:
         # Counted before the last choice is posted: a client that reads the metrics once
         # answered sees its request in them.
         self.metrics.record([res for res, _ in r.results], r.job.arrival, r.first or end, end)
-        r.job.post("choice", (r.index, result, lp))
+        r.job.post(ChoiceDone(r.index, result, lp))
