@@ -20,6 +20,8 @@ import re
 import secrets
 from typing import Any, Sequence
 
+from jinja2 import TemplateError
+
 from ..errors import SpecDecodeError
 from .base import Backend
 
@@ -54,9 +56,30 @@ def _alternation(texts) -> re.Pattern:
     return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
 
 
+def merge_system(messages: Sequence[dict]) -> list[dict]:
+    """messages with every system message after the first merged into one system message
+    first (their contents joined by a blank line, in order): what a chat template that takes a
+    system message only first can render (Claude Code and some agents send system messages mid
+    conversation)."""
+    systems = [m["content"] or "" for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(s for s in systems if s)}] if systems else []) + rest
+
+
 def render(backend: Backend, messages: Sequence[dict], tools: Sequence[dict] | None) -> str:
-    """The backend's chat template over messages (and tools, where given)."""
-    return backend.apply_chat_template(messages, tools=tools) if tools else backend.apply_chat_template(messages)
+    """The backend's chat template over messages (and tools, where given). Where the template
+    refuses a system message after the first, the system messages are merged into one first
+    (:func:`merge_system`) and rendered again; a template that takes them keeps them in place
+    (so that a conversation's earlier turns stay its cached prefix)."""
+    def apply(msgs: Sequence[dict]) -> str:
+        return backend.apply_chat_template(msgs, tools=tools) if tools else backend.apply_chat_template(msgs)
+
+    try:
+        return apply(messages)
+    except (SpecDecodeError, TemplateError):
+        if not any(m["role"] == "system" for m in messages[1:]):
+            raise
+        return apply(merge_system(messages))
 
 
 def chat_prompt_ids(backend: Backend, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:

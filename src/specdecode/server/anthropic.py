@@ -52,6 +52,7 @@ _RENAMES = ((re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_tokens"),
             (re.compile(r"\bresponse_format(?:\.json_schema)?\b"), "output_config.format"),
             (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),
             (re.compile(r"\btools\[(\d+)\]\.function\b"), r"tools[\1]"),
+            (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
             (re.compile(r"\bstop\b(?! )"), "stop_sequences"))
 
 
@@ -74,10 +75,14 @@ class MessagesRequest:
 
 
 def rename_error(e: APIError, origin: list[str] | None = None) -> APIError:
-    """The error with the chat fields it names renamed to the Messages fields they came from."""
+    """The error with the chat fields it names renamed to the Messages fields they came from
+    (origin[i]: the field chat message i came from); origin None: e as it is."""
+    if origin is None:  # found before the translation: it names the Messages fields already
+        return e
+
     def message(m: re.Match) -> str:
         i = int(m.group(1))
-        return origin[i] if origin is not None and i < len(origin) else "messages"
+        return origin[i] if i < len(origin) else "messages"
 
     def rename(text: str | None) -> str | None:
         if text is None:
