@@ -27,37 +27,14 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-from specdecode.bench import cpu_name, free_port, serve_process
-
-CALC = "def add(a, b):\n    return a + b\n"
-TESTS = """import unittest
-
-from calc import add, multiply
-
-
-class TestCalc(unittest.TestCase):
-    def test_add(self):
-        self.assertEqual(add(2, 3), 5)
-
-    def test_multiply(self):
-        self.assertEqual(multiply(4, 5), 20)
-
-
-if __name__ == "__main__":
-    unittest.main()
-"""
-TASK = ("Add a function multiply(a, b) to calc.py that returns a * b, then run `python -m unittest` "
-        "to check that the tests pass.")
-
+from specdecode.bench.tools import TASK, cpu_name, free_port, make_repo, metric_total, run_agent, serve_process, stop_server
 
 def install_codex(folder: Path, version: str) -> Path:
     """``npm install @openai/codex@VERSION`` into folder (skipped when it is there); the codex
@@ -70,17 +47,6 @@ def install_codex(folder: Path, version: str) -> Path:
         if out.returncode != 0 or not binary.exists():
             sys.exit(f"npm install @openai/codex@{version} failed:\n{out.stdout}{out.stderr}")
     return binary
-
-
-def make_repo(path: Path) -> None:
-    """The task's repository: calc.py, test_calc.py, one commit."""
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    (path / "calc.py").write_text(CALC)
-    (path / "test_calc.py").write_text(TESTS)
-    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
-    for cmd in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "calc"]):
-        subprocess.run(git + cmd, cwd=path, check=True)
 
 
 def write_config(home: Path, model: str, port: int, idle_timeout_s: int) -> None:
@@ -121,11 +87,6 @@ def read_events(text: str) -> dict:
     return {"completed": completed and not failed, "calls": calls, "errors": errors, "message": message}
 
 
-def _total(metrics: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in metrics.splitlines()
-               if line.startswith(f"specdecode:{name} ") or line.startswith(f"specdecode:{name}{{"))
-
-
 def run_side(args, codex: Path, work: Path, speculate: bool) -> dict:
     """One side: its server started, codex exec run on a fresh repository, the server stopped."""
     side = "spec" if speculate else "plain"
@@ -140,26 +101,14 @@ def run_side(args, codex: Path, work: Path, speculate: bool) -> dict:
         before = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         env = {**os.environ, "CODEX_HOME": str(home)}
         cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "--sandbox", args.sandbox, args.task]
-        start = time.perf_counter()
-        try:
-            out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=args.timeout,
-                                 stdin=subprocess.DEVNULL)
-            stdout, stderr, rc = out.stdout, out.stderr, out.returncode
-        except subprocess.TimeoutExpired as e:
-            stdout, stderr, rc = _text(e.stdout), _text(e.stderr) + f"\ntimed out after {args.timeout} s", None
-        wall = time.perf_counter() - start
+        stdout, stderr, rc, wall = run_agent(cmd, repo, env, args.timeout)
         after = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:  # mid-step on a slow machine: stop it outright
-            server.kill()
-            server.wait()
+        stop_server(server)
     (work / f"codex-{side}.jsonl").write_text(stdout)
     (work / f"codex-{side}.stderr").write_text(stderr)
     tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
-    delta = {name: _total(after, name) - _total(before, name) for name in
+    delta = {name: metric_total(after, name) - metric_total(before, name) for name in
              ("e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total")}
     rejected = [line for line in log.read_text(errors="replace").splitlines()
                 if "/v1/" in line and re.search(r"\b4\d\d\b", line)]
@@ -167,10 +116,6 @@ def run_side(args, codex: Path, work: Path, speculate: bool) -> dict:
             "requests": int(delta["e2e_request_latency_seconds_count"]),
             "prompt_tokens": int(delta["prompt_tokens_total"]), "generated_tokens": int(delta["generation_tokens_total"]),
             "rejected": rejected[:5], **read_events(stdout)}
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
 
 
 def build_parser() -> argparse.ArgumentParser:

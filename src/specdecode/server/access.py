@@ -62,17 +62,24 @@ def log_refusal(e: APIError, path: str) -> None:
     LOG.warning("%d %s: %s", e.status, short(path) or "?", reason)
 
 
+# (path prefix, the error body of the API served there), registered by server/dialects.py.
+ERROR_SHAPES: list[tuple[str, Callable[[APIError], dict]]] = []
+
+
+def register_error_shape(prefix: str, body: Callable[[APIError], dict]) -> None:
+    """Answer errors of requests under prefix with body(error) (an API's own shape)."""
+    if (prefix, body) not in ERROR_SHAPES:
+        ERROR_SHAPES.append((prefix, body))
+
+
 def error_response(e: APIError, path: str = "") -> JSONResponse:
     """e as a JSON response with its status (a 429 also says when to retry, in seconds; a
     401 names the scheme expected): OpenAI's error body, or for a request to ``path`` under a
-    dialect's prefix that dialect's (:func:`.dialects.dialect_for`: Ollama's ``{"error":
-    message}`` under ``/api/``, Anthropic's under ``/v1/messages``)."""
+    prefix registered with :func:`register_error_shape` that API's (Ollama's ``{"error":
+    message}`` under ``/api/``, Anthropic's under ``/v1/messages``: server/dialects.py)."""
     from fastapi.responses import JSONResponse
 
-    from .dialects import dialect_for
-
-    dialect = dialect_for(path)
-    shape = dialect.error_body if dialect is not None else APIError.body
+    shape = next((body for prefix, body in ERROR_SHAPES if path.startswith(prefix)), APIError.body)
     if 400 <= e.status < 500:
         log_refusal(e, path)
     headers = {"Retry-After": "1"} if e.status == 429 else {"WWW-Authenticate": "Bearer"} if e.status == 401 else None

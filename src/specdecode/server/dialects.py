@@ -1,11 +1,13 @@
 """Every API the server speaks, one :class:`.runner.Dialect` each: the app adds their routes
-(:class:`.app._Routes`) and answers errors under a dialect's ``prefix`` in its shape
-(:func:`.access.error_response`). Adding an API is one module and one line here.
+(:class:`.app._Routes`), and errors under a dialect's ``prefix`` are answered in its shape
+(registered here with :func:`.access.register_error_shape`, for the middleware's answers too).
+Adding an API is one module and one line here.
 """
 
 from __future__ import annotations
 
 from . import anthropic_events, infill_response, ollama, responses, responses_events
+from .access import register_error_shape
 from .runner import Dialect
 
 DIALECTS: tuple[Dialect, ...] = (
@@ -19,9 +21,6 @@ DIALECTS: tuple[Dialect, ...] = (
 )
 
 
-def dialect_for(path: str) -> Dialect | None:
-    """The dialect whose errors a request to ``path`` gets (its ``prefix``), or None (OpenAI's)."""
-    for dialect in DIALECTS:
-        if dialect.prefix is not None and path.startswith(dialect.prefix):
-            return dialect
-    return None
+for _dialect in DIALECTS:
+    if _dialect.prefix is not None:
+        register_error_shape(_dialect.prefix, _dialect.error_body)

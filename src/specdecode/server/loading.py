@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from . import dialects  # noqa: F401  (the APIs' error shapes, for the answers while loading)
 from .access import AccessGuard, DrainUnread, HostOriginPolicy, error_response
 from .apierror import APIError
 from .config import ServerOptions

@@ -44,6 +44,8 @@ class Metrics:
         self.rejected = Counter(p + "request_rejected", "Requests refused before generation, by reason.", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prompt_tokens_cached = Counter(p + "prompt_tokens_cached", "Prompt tokens of finished requests that a "
+                                            "slot's cache held (not evaluated again).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens of finished requests.", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first text delta, queueing included.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -63,7 +65,7 @@ class Metrics:
 
         Per choice: the drafting counters, request_success (by the choice's finish reason:
         a request with n choices counts n) and generation_tokens. Per request: prompt_tokens
-        (once, as the usage does), the time to first token, the time per output token over
+        (once, as the usage does) and prompt_tokens_cached (the first choice's cached prefix), the time to first token, the time per output token over
         all choices, and the end-to-end latency. arrival, first, end: time.perf_counter()
         seconds at the request's arrival, its first token and its last token.
         """
@@ -80,6 +82,7 @@ class Metrics:
             self.success.labels(finished_reason=result.finish_reason).inc()
             self.generation_tokens.inc(s.completion_tokens)
         self.prompt_tokens.inc(results[0].stats.prompt_tokens)
+        self.prompt_tokens_cached.inc(results[0].stats.prompt_cached or 0)
         completion = sum(r.stats.completion_tokens for r in results)
         self.ttft.observe(first - arrival)
         if completion > 1:

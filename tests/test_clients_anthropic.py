@@ -1,0 +1,102 @@
+"""The ``anthropic`` SDK, unchanged, against a real ``specdecode serve --api-key`` on the default
+pair's small model (issue 59): create, stream, count_tokens, a forced tool call and its result
+turn, and errors as the SDK's own exception classes. The server runs qwen2.5-coder-0.5b-instruct
+(its chat template teaches tool calls) with prompt-lookup drafts, as a subprocess; the requests
+ask temperature 0 (the 2026 SDK has no parameter for it: ``extra_body``). What is judged is what
+the client reads, never the wall clock; the scripted-model tests of the same API are
+tests/test_anthropic.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import anthropic
+import httpx
+import pytest
+
+from test_clients import MODEL, free_port
+
+KEY = "sk-anthropic-test"
+GREEDY = {"temperature": 0}
+WEATHER = {"name": "get_weather", "description": "The current weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """``specdecode serve --api-key`` on the small model, as a user starts it; an SDK client."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--target", MODEL, "--draft", "ngram",
+                                 "--ctx-size", "4096", "--port", str(port), "--api-key", KEY],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # the first run pulls the model
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start:\n" + log_path.read_text()
+            time.sleep(0.2)
+        yield anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_create_stream_and_count_tokens(client):
+    msg = client.messages.create(model=MODEL, max_tokens=16, system="Be brief.",
+                                 messages=[{"role": "user", "content": "Say hello."}], extra_body=GREEDY)
+    assert msg.content[0].type == "text" and msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens") and 0 < msg.usage.output_tokens <= 16
+    with client.messages.stream(model=MODEL, max_tokens=16, system="Be brief.",
+                                messages=[{"role": "user", "content": "Say hello."}], extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == msg.content[0].text
+    assert final.usage.output_tokens == msg.usage.output_tokens
+    # The second request reads the same prompt: its prefix is the slot's cache.
+    assert final.usage.cache_read_input_tokens > 0
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    n = client.messages.count_tokens(model=MODEL, system="Be brief.",
+                                     messages=[{"role": "user", "content": "Say hello."}]).input_tokens
+    assert n == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+
+
+def test_a_forced_tool_call_and_its_result_turn(client):
+    msg = client.messages.create(model=MODEL, max_tokens=60, messages=ASK, tools=[WEATHER],
+                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    assert msg.stop_reason == "tool_use"
+    (use,) = [b for b in msg.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input.get("city"), str)
+    turn = ASK + [{"role": "assistant", "content": msg.content},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": "sunny, 21 C"}]}]
+    answer = client.messages.create(model=MODEL, max_tokens=40, messages=turn, tools=[WEATHER], extra_body=GREEDY)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
+
+
+def test_errors_are_the_sdks_classes(client):
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=str(client.base_url), api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=ASK)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-opus-4", max_tokens=4, messages=ASK)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
