@@ -30,42 +30,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
-from specdecode.bench.tools import TASK, cpu_name, free_port, make_repo, metric_total, run_agent, serve_process, stop_server
+from specdecode.bench.tools import (TASK, add_agent_options, agent_outcome, agent_setup, json_lines, cpu_name, free_port, make_repo, run_agent,
+                                    serve_process, stop_server)
 
 KEY = "sk-claude-code-bench"
 TOOLS = "Bash,Edit,Write,Read,Glob,Grep,LS"
-
-
-def install_claude(folder: Path, version: str) -> Path:
-    """``npm install @anthropic-ai/claude-code@VERSION`` into folder (skipped when it is there);
-    the claude binary's path. Raises SystemExit naming the failure when npm fails."""
-    binary = folder / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        out = subprocess.run(["npm", "install", "--prefix", str(folder), f"@anthropic-ai/claude-code@{version}"],
-                             capture_output=True, text=True)
-        if out.returncode != 0 or not binary.exists():
-            sys.exit(f"npm install @anthropic-ai/claude-code@{version} failed:\n{out.stdout}{out.stderr}")
-    return binary
 
 
 def read_events(text: str) -> dict:
     """What ``--output-format stream-json`` says: completed (a result event of subtype success,
     not an error), the tool calls (name and input), the errors, the final result text."""
     calls, errors, result, completed = [], [], None, False
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for event in json_lines(text):
         kind = event.get("type")
         if kind == "assistant":
             for block in (event.get("message") or {}).get("content") or []:
@@ -105,29 +85,12 @@ def run(args, claude: Path, work: Path) -> dict:
         stop_server(server)
     (work / "claude.jsonl").write_text(stdout)
     (work / "claude.stderr").write_text(stderr)
-    tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
-    delta = {name: metric_total(after, name) - metric_total(before, name) for name in
-             ("e2e_request_latency_seconds_count", "prompt_tokens_total", "prompt_tokens_cached_total",
-              "generation_tokens_total")}
-    text = log.read_text(errors="replace")
-    rejected = [line for line in text.splitlines() if re.search(r'"POST /v1/\S*[^"]*" 4\d\d\b', line)
-                or re.search(r"\b4\d\d /v1/", line)]
-    return {"model": model, "rc": rc, "wall_s": wall, "tests_pass": tests.returncode == 0,
-            "requests": int(delta["e2e_request_latency_seconds_count"]),
-            "prompt_tokens": int(delta["prompt_tokens_total"]), "cached_tokens": int(delta["prompt_tokens_cached_total"]),
-            "generated_tokens": int(delta["generation_tokens_total"]), "rejected": rejected[:5],
-            **read_events(stdout)}
+    return {"model": model, "rc": rc, "wall_s": wall, **agent_outcome(repo, before, after, log), **read_events(stdout)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--claude", default=None, help="a claude binary (default: npm-install @anthropic-ai/claude-code "
-                    "into --claude-dir)")
-    ap.add_argument("--claude-version", default="2.1", help="the npm version to install (default: %(default)s)")
-    ap.add_argument("--claude-dir", default=None, help="where to install it (default: <work>/claude-npm)")
-    ap.add_argument("--target", default=None, help="the server's --target (default: its default)")
-    ap.add_argument("--draft", default=None, help="the server's --draft (default: its default, auto)")
-    ap.add_argument("--ctx-size", type=int, default=32768, help="the server's --ctx-size (default: %(default)s)")
+    add_agent_options(ap, "claude", "@anthropic-ai/claude-code", "2.1", 32768)
     ap.add_argument("--task", default=TASK, help="the prompt claude -p gets")
     ap.add_argument("--tools", default=None, help="claude -p --tools: the built-in tools it offers, e.g. "
                     "Bash,Edit,Read (default: its own set, about 26)")
@@ -139,11 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="claude-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    claude = Path(args.claude) if args.claude else install_claude(Path(args.claude_dir or work / "claude-npm"),
-                                                                  args.claude_version)
-    version = subprocess.run([str(claude), "--version"], capture_output=True, text=True).stdout.strip()
+    work, claude, version = agent_setup(args, "claude", "@anthropic-ai/claude-code")
     r = run(args, claude, work)
     print(json.dumps(r, indent=1), flush=True)
     print(f"\n{version}, claude -p on a two-file repository through specdecode serve --api-key ({r['model']}, "

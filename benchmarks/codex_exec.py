@@ -26,28 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
-from specdecode.bench.tools import TASK, cpu_name, free_port, make_repo, metric_total, run_agent, serve_process, stop_server
-
-def install_codex(folder: Path, version: str) -> Path:
-    """``npm install @openai/codex@VERSION`` into folder (skipped when it is there); the codex
-    binary's path. Raises SystemExit naming the failure when npm fails."""
-    binary = folder / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        out = subprocess.run(["npm", "install", "--prefix", str(folder), f"@openai/codex@{version}"],
-                             capture_output=True, text=True)
-        if out.returncode != 0 or not binary.exists():
-            sys.exit(f"npm install @openai/codex@{version} failed:\n{out.stdout}{out.stderr}")
-    return binary
-
+from specdecode.bench.tools import (TASK, add_agent_options, agent_outcome, agent_setup, json_lines, cpu_name, free_port, make_repo, run_agent,
+                                    serve_process, stop_server)
 
 def write_config(home: Path, model: str, port: int, idle_timeout_s: int) -> None:
     """A CODEX_HOME whose one provider is the server on port."""
@@ -63,17 +48,13 @@ def read_events(text: str) -> dict:
     the tool calls (command and exit code, or a file change's paths), the errors, the last
     agent message."""
     calls, errors, message, completed, failed = [], [], None, False, False
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for event in json_lines(text):
         kind = event.get("type")
         item = event.get("item") or {}
         completed |= kind == "turn.completed"
         failed |= kind == "turn.failed"
         if kind in ("error", "turn.failed"):
-            errors.append(event.get("message") or (event.get("error") or {}).get("message") or line)
+            errors.append(event.get("message") or (event.get("error") or {}).get("message") or json.dumps(event))
         if kind != "item.completed":
             continue
         if item.get("type") == "command_execution":
@@ -107,26 +88,13 @@ def run_side(args, codex: Path, work: Path, speculate: bool) -> dict:
         stop_server(server)
     (work / f"codex-{side}.jsonl").write_text(stdout)
     (work / f"codex-{side}.stderr").write_text(stderr)
-    tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
-    delta = {name: metric_total(after, name) - metric_total(before, name) for name in
-             ("e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total")}
-    rejected = [line for line in log.read_text(errors="replace").splitlines()
-                if "/v1/" in line and re.search(r"\b4\d\d\b", line)]
-    return {"side": side, "model": model, "rc": rc, "wall_s": wall, "tests_pass": tests.returncode == 0,
-            "requests": int(delta["e2e_request_latency_seconds_count"]),
-            "prompt_tokens": int(delta["prompt_tokens_total"]), "generated_tokens": int(delta["generation_tokens_total"]),
-            "rejected": rejected[:5], **read_events(stdout)}
+    return {"side": side, "model": model, "rc": rc, "wall_s": wall, **agent_outcome(repo, before, after, log),
+            **read_events(stdout)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--codex", default=None, help="a codex binary (default: npm-install @openai/codex into "
-                    "--codex-dir)")
-    ap.add_argument("--codex-version", default="latest", help="the npm version to install (default: %(default)s)")
-    ap.add_argument("--codex-dir", default=None, help="where to install it (default: <work>/codex-npm)")
-    ap.add_argument("--target", default=None, help="the server's --target (default: its default)")
-    ap.add_argument("--draft", default=None, help="the speculating server's --draft (default: its default, auto)")
-    ap.add_argument("--ctx-size", type=int, default=16384, help="the server's --ctx-size (default: %(default)s)")
+    add_agent_options(ap, "codex", "@openai/codex", "latest", 16384)
     ap.add_argument("--sides", default="spec,plain", help="which runs, in order: spec, plain (default: %(default)s)")
     ap.add_argument("--task", default=TASK, help="the prompt codex exec gets")
     ap.add_argument("--sandbox", default="workspace-write", help="codex exec --sandbox (default: %(default)s)")
@@ -139,11 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="codex-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    codex = Path(args.codex) if args.codex else install_codex(Path(args.codex_dir or work / "codex-npm"),
-                                                              args.codex_version)
-    version = subprocess.run([str(codex), "--version"], capture_output=True, text=True).stdout.strip()
+    work, codex, version = agent_setup(args, "codex", "@openai/codex")
     results = []
     for side in args.sides.split(","):
         if side not in ("spec", "plain"):

@@ -15,6 +15,7 @@ forces it with tool_choice, as the clients allow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -55,14 +56,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    """``specdecode serve`` on the small model, as a user starts it; its /v1 URL."""
+@contextlib.contextmanager
+def serve(tmp_path_factory, *options: str):
+    """``specdecode serve`` on the small model with options, as a user starts it, as a
+    subprocess; its URL (http://127.0.0.1:PORT) once /health answers."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--target", MODEL, "--draft", "ngram",
-                                 "--ctx-size", "4096", "--parallel", "2", "--port", str(port)],
+                                 "--ctx-size", "4096", "--port", str(port), *options],
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,13 +78,20 @@ def base_url(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "the server did not start:\n" + log_path.read_text()
             time.sleep(0.2)
-        yield url + "/v1"
+        yield url
     finally:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    """``specdecode serve`` on the small model, two slots; its /v1 URL."""
+    with serve(tmp_path_factory, "--parallel", "2") as url:
+        yield url + "/v1"
 
 
 @pytest.fixture(scope="module")

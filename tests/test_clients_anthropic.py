@@ -9,16 +9,10 @@ tests/test_anthropic.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import anthropic
-import httpx
 import pytest
 
-from test_clients import MODEL, free_port
+from test_clients import MODEL, serve
 
 KEY = "sk-anthropic-test"
 GREEDY = {"temperature": 0}
@@ -30,31 +24,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     """``specdecode serve --api-key`` on the small model, as a user starts it; an SDK client."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specdecode", "serve", "--target", MODEL, "--draft", "ngram",
-                                 "--ctx-size", "4096", "--port", str(port), "--api-key", KEY],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600  # the first run pulls the model
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start:\n" + log_path.read_text()
-            time.sleep(0.2)
+    with serve(tmp_path_factory, "--api-key", KEY) as url:
         yield anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_create_stream_and_count_tokens(client):

@@ -4,14 +4,17 @@ process of its own (for a client measured as it calls, such as an editor)."""
 
 from __future__ import annotations
 
+import json
 import platform
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import SpecDecodeError
 
@@ -87,6 +90,41 @@ TASK = ("Add a function multiply(a, b) to calc.py that returns a * b, then run `
         "to check that the tests pass.")
 
 
+def add_agent_options(ap: Any, agent: str, package: str, version: str, ctx_size: int) -> None:
+    """The options every agent script takes: the agent's binary (--AGENT, --AGENT-version,
+    --AGENT-dir) and the server's --target, --draft and --ctx-size."""
+    ap.add_argument(f"--{agent}", default=None, help=f"a {agent} binary (default: npm-install {package} into "
+                    f"--{agent}-dir)")
+    ap.add_argument(f"--{agent}-version", default=version, help="the npm version to install (default: %(default)s)")
+    ap.add_argument(f"--{agent}-dir", default=None, help=f"where to install it (default: <work>/{agent}-npm)")
+    ap.add_argument("--target", default=None, help="the server's --target (default: its default)")
+    ap.add_argument("--draft", default=None, help="the (speculating) server's --draft (default: its default, auto)")
+    ap.add_argument("--ctx-size", type=int, default=ctx_size, help="the server's --ctx-size (default: %(default)s)")
+
+
+def npm_install(folder: Path, package: str, version: str, binary: str) -> Path:
+    """``npm install PACKAGE@VERSION`` into folder (skipped when its binary is there); the
+    binary's path. Raises SystemExit naming the failure when npm fails."""
+    path = folder / "node_modules" / ".bin" / binary
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["npm", "install", "--prefix", str(folder), f"{package}@{version}"],
+                             capture_output=True, text=True)
+        if out.returncode != 0 or not path.exists():
+            sys.exit(f"npm install {package}@{version} failed:\n{out.stdout}{out.stderr}")
+    return path
+
+
+def agent_setup(args: Any, agent: str, package: str) -> tuple[Path, Path, str]:
+    """An agent script's work folder (--keep, else a new temporary one), the agent's binary
+    (--AGENT, else installed from npm into --AGENT-dir or the work folder) and its ``--version``."""
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix=f"{agent}-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    given, folder = getattr(args, agent), getattr(args, f"{agent}_dir") or work / f"{agent}-npm"
+    path = Path(given) if given else npm_install(Path(folder), package, getattr(args, f"{agent}_version"), agent)
+    return work, path, subprocess.run([str(path), "--version"], capture_output=True, text=True).stdout.strip()
+
+
 def make_repo(path: Path) -> None:
     """The task's repository: calc.py, test_calc.py, one commit."""
     shutil.rmtree(path, ignore_errors=True)
@@ -102,6 +140,32 @@ def metric_total(metrics: str, name: str) -> float:
     """The sum of a specdecode metric's samples (every label) in a /metrics text."""
     return sum(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith(f"specdecode:{name} ") or line.startswith(f"specdecode:{name}{{"))
+
+
+def agent_outcome(repo: Path, before: str, after: str, log: Path) -> dict:
+    """What an agent's run left: whether the repository's tests pass, the server's finished
+    requests, prompt, cached prompt and generated tokens between two /metrics texts, and the
+    first 4xx lines of the server's log (its access log and its refusal lines)."""
+    tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
+    names = {"requests": "e2e_request_latency_seconds_count", "prompt_tokens": "prompt_tokens_total",
+             "cached_tokens": "prompt_tokens_cached_total", "generated_tokens": "generation_tokens_total"}
+    rejected = [line for line in log.read_text(errors="replace").splitlines()
+                if re.search(r'" 4\d\d |\b4\d\d /', line)]  # uvicorn's access line, the server's refusal line
+    return {"tests_pass": tests.returncode == 0, "rejected": rejected[:5],
+            **{key: int(metric_total(after, name) - metric_total(before, name)) for key, name in names.items()}}
+
+
+def json_lines(text: str) -> list[dict]:
+    """The JSON objects of an agent's JSON-lines output (other lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out
 
 
 def run_agent(cmd: list[str], cwd: Path, env: dict, timeout: int) -> tuple[str, str, int | None, float]:
