@@ -24,7 +24,7 @@ from specdecode.server.apierror import APIError
 from specdecode.server.toolcalls import HermesFormat
 
 from test_server import ServerThread
-from test_server_responses import ANSWER, MODEL, ScriptBackend
+from test_server_responses import ANSWER, CALL, MODEL, ScriptBackend
 
 KEY = "sk-test-key"
 N_CTX = 4096
@@ -90,8 +90,9 @@ def test_blocks_become_the_chat_conversation():
             {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
     ]
-    assert origin == ["system", "messages[0]", "messages[1]", "messages[2].content[0]", "messages[2]", "messages[3]",
-                      "messages[4]", "messages[5].content[0]"]
+    assert origin.messages == ["system", "messages[0]", "messages[1]", "messages[2].content[0]", "messages[2]",
+                               "messages[3]", "messages[4]", "messages[5].content[0]"]
+    assert origin.calls[2] == ["messages[1].content[2]"] and origin.calls[6] == ["messages[4].content[0]"]
 
 
 def test_tool_choice_tools_and_limits():
@@ -132,11 +133,45 @@ def test_bad_bodies_name_the_messages_fields():
     refused({"messages": HI, "tool_choice": {"type": "sometimes"}}, "tool_choice")
     refused({"messages": HI, "stop_sequences": "stop"}, "stop_sequences")
     refused({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope",
-                                                        "content": "x"}]}]}, "messages[0].content[0]")
+                                                        "content": "x"}]}]}, "messages[0].content[0].tool_use_id")
     refused({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
                                                             "input": {}}]}], "tools": [WEATHER],
              "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name")
     refused({"model": "claude-sonnet-4-5", "messages": HI}, "model", status=404)
+    assert "must be a string" in refused({"model": 5, "messages": HI}, "model")
+    assert "must be an integer >= 1, got 0" in refused({"messages": HI, "max_tokens": 0}, "max_tokens")
+    assert "must be a number" in refused({"messages": HI, "temperature": "1"}, "temperature")
+    assert "must be a message" in refused({"messages": ["hi"]}, "messages[0]")
+    assert "must be a content block" in refused({"messages": [{"role": "user", "content": ["hi"]}]},
+                                                "messages[0].content[0]")
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "x"}
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}
+    refused({"messages": [use, {"role": "user", "content": [{**result, "is_error": "yes"}]}]},
+            "messages[1].content[0].is_error")
+    refused({"messages": [use, {"role": "user", "content": [{**result, "content": [{"type": "tool_use"}]}]}]},
+            "messages[1].content[0].content[0].type")
+    refused({"messages": HI, "tools": [{"type": 5}]}, "tools[0].type")
+    refused({"messages": HI, "metadata": {"user_id": 5}}, "metadata")
+    refused({"messages": HI, "tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools[0].input_schema.type")
+    # A duplicate tool_use id names its block; the chat check found it.
+    again = {"role": "assistant", "content": [{"type": "text", "text": "again"}, use["content"][0]]}
+    refused({"messages": [use, {"role": "user", "content": [result]}, again], "tools": [WEATHER]},
+            "messages[2].content[1].id")
+
+
+def test_errors_name_the_clients_tools_and_leave_its_values_alone():
+    """A server tool left out before the chat check does not shift the index an error names;
+    a value the client sent ("stop", "max_completion_tokens") is quoted as sent, not renamed."""
+    web = {"type": "web_search_20250305", "name": "web_search"}
+    message = refused({"messages": HI, "tools": [web, {"name": "bad name!", "input_schema": {}}]}, "tools[1].name")
+    assert "tools[1].name" in message and "tools[0]" not in message
+    stop = {"name": "stop", "input_schema": {"type": "object"}}
+    message = refused({"messages": HI, "tools": [web, stop, stop]}, "tools[2].name")
+    assert '"stop"' in message and "tools[1]" in message and "stop_sequences" not in message
+    message = refused({"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "tool",
+                                                                          "name": "max_completion_tokens"}},
+                      "tool_choice.name")
+    assert '"max_completion_tokens"' in message
 
 
 # ------------------------------------------------------------------ the SDK against a server
@@ -216,10 +251,26 @@ def test_a_forced_tool_call_and_its_result_turn(client):
     assert answer.stop_reason == "end_turn" and answer.content[0].text == ANSWER.decode()
 
 
+def test_a_call_cut_off_by_max_tokens_is_the_same_text_whole_and_streamed(client):
+    """max_tokens ends the call inside its arguments: no tool_use block with made-up input in
+    either answer, and the text is what the model wrote, nothing added."""
+    body = dict(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Paris?"}], tools=[WEATHER],
+                extra_body=GREEDY)
+    whole = client.messages.create(**body)
+    with client.messages.stream(**body) as stream:
+        streamed = stream.get_final_message()
+    for msg in (whole, streamed):
+        assert msg.stop_reason == "max_tokens" and [b.type for b in msg.content] == ["text"]
+    assert whole.content[0].text == streamed.content[0].text
+    assert CALL.decode().startswith(whole.content[0].text) and len(whole.content[0].text) > 40
+
+
 def test_count_tokens_counts_the_prompt_as_read(client, backend):
     n = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=HI).input_tokens
     rendered = backend.apply_chat_template([{"role": "system", "content": "Be brief."}, *HI])
     assert n == len(rendered.encode())
+    assert client.messages.count_tokens(model=MODEL, messages=HI, extra_body={"max_tokens": "x"}).input_tokens == \
+        client.messages.count_tokens(model=MODEL, messages=HI).input_tokens  # count_tokens takes no max_tokens
     with_tools = client.messages.count_tokens(model=MODEL, messages=HI, tools=[WEATHER]).input_tokens
     assert with_tools > client.messages.count_tokens(model=MODEL, messages=HI).input_tokens
 
@@ -250,6 +301,15 @@ def test_the_key_as_bearer_and_the_headers_claude_code_sends(server):
     assert r.status_code == 200, r.text
     r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": HI})
     assert r.status_code == 401 and r.json()["type"] == "error"
+    body = {"model": MODEL, "max_tokens": 2, "messages": HI, "temperature": 0}
+    # Both headers: either one right is enough; a wrong one is named; a header twice is refused.
+    assert httpx.post(server.url + "/v1/messages", json=body,
+                      headers={"x-api-key": KEY, "Authorization": "Bearer wrong"}).status_code == 200
+    r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": "wrong", "Authorization": "Basic x"})
+    assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
+    twice = httpx.Headers([("x-api-key", "wrong"), ("x-api-key", KEY)])
+    r = httpx.post(server.url + "/v1/messages", json=body, headers=twice)
+    assert r.status_code == 401 and "2 times" in r.json()["error"]["message"]
 
 
 def test_served_model_names_are_aliases(client, server):
@@ -299,3 +359,36 @@ def test_tokenize_detokenize_and_props(server):
     assert props["speculative"]["draft"] == "ngram" and props["speculative"]["n_max"] == 4
     assert props["default_generation_settings"]["params"]["speculative.n_max"] == 4
     assert httpx.get(server.url + "/props").status_code == 401  # behind the key like every route
+
+
+# ------------------------------------------------------------------ the stream while a prompt is read
+
+def test_pings_while_nothing_comes_and_an_error_ends_the_stream():
+    """A stream sends a ping every keepalive_s while the job posts nothing (its prompt being
+    read), then the events; a failure is an ``error`` event in Anthropic's shape, the last."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdecode.server.anthropic_events import MessageBuilder, MessagesStream
+    from specdecode.server.jobs import Delta, Failed
+    from specdecode.server.runner import write_stream
+
+    mr = parse({"messages": HI, "stream": True})
+    writer = MessagesStream(MessageBuilder(mr, MODEL, lambda r: {}), n_prompt=10)
+    writer.keepalive_s = 0.01
+
+    async def go() -> list[str]:
+        job = SimpleNamespace(events=asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        # The first event comes after 20 intervals: at least one ping must go out before it.
+        loop.call_later(0.2, job.events.put_nowait, Delta(0, "Hel"))
+        loop.call_later(0.2, job.events.put_nowait, Failed(APIError(503, "the server is shutting down")))
+        return [chunk async for chunk in write_stream(writer, job, 1)]
+
+    chunks = asyncio.run(go())
+    names = [c.split("\n", 1)[0][len("event: "):] for c in chunks]
+    assert names[:2] == ["message_start", "ping"] and names.count("ping") >= 2
+    first = names.index("content_block_start")
+    assert set(names[2:first]) == {"ping"} and names[first:] == ["content_block_start", "content_block_delta", "error"]
+    error = json.loads(chunks[-1].split("data: ", 1)[1])
+    assert error == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}

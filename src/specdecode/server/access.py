@@ -309,21 +309,37 @@ class APIKeyGuard:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open:
-            headers = dict(scope["headers"])
-            error = self._check(headers.get(b"authorization"), headers.get(b"x-api-key"))
+            error = self._check_headers(scope["headers"])
             if error is not None:
                 self._on_reject()
                 await error_response(error, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, header: bytes | None, api_key: bytes | None = None) -> APIError | None:
-        """None when header is "Bearer <the key>" (or, without it, api_key is the key), else
-        the 401 to answer."""
-        if header is None and api_key is not None:
-            if not hmac.compare_digest(hashlib.sha256(api_key.strip()).digest(), self._digest):
-                return APIError(401, "incorrect API key provided (x-api-key)", code="invalid_api_key")
+    def _check_headers(self, headers: list[tuple[bytes, bytes]]) -> APIError | None:
+        """None when a credential header carries the key (``Authorization: Bearer`` or
+        ``x-api-key``; either one right is enough where a client sends both), else the 401 to
+        answer, naming the header; a credential header sent twice is refused (which one
+        counts would be a guess)."""
+        sent: dict[bytes, list[bytes]] = {}
+        for name, value in headers:
+            if name.lower() in (b"authorization", b"x-api-key"):
+                sent.setdefault(name.lower(), []).append(value)
+        for name, values in sent.items():
+            if len(values) > 1:
+                return APIError(401, f"the {name.decode()} header was sent {len(values)} times: send the key once",
+                                code="invalid_api_key")
+        if b"x-api-key" not in sent:
+            return self._check(sent.get(b"authorization", [None])[0])
+        if hmac.compare_digest(hashlib.sha256(sent[b"x-api-key"][0].strip()).digest(), self._digest):
             return None
+        if b"authorization" in sent and self._check(sent[b"authorization"][0]) is None:
+            return None
+        wrong = "the x-api-key header" + (" and the Authorization header" if b"authorization" in sent else "")
+        return APIError(401, f"incorrect API key provided ({wrong})", code="invalid_api_key")
+
+    def _check(self, header: bytes | None) -> APIError | None:
+        """None when header is "Bearer <the key>", else the 401 to answer."""
         if header is None:
             return APIError(401, "no API key given: send it in an Authorization header (Authorization: Bearer "
                             "YOUR_KEY) or an x-api-key header", code="invalid_api_key")
@@ -331,7 +347,7 @@ class APIKeyGuard:
         if scheme.lower() != b"bearer" or not given.strip():
             return APIError(401, "the Authorization header must be 'Bearer YOUR_KEY'", code="invalid_api_key")
         if not hmac.compare_digest(hashlib.sha256(given.strip()).digest(), self._digest):
-            return APIError(401, "incorrect API key provided", code="invalid_api_key")
+            return APIError(401, "incorrect API key provided (the Authorization header)", code="invalid_api_key")
         return None
 
 

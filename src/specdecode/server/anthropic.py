@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..drafters.kinds import request_fields
@@ -61,63 +61,106 @@ def _error(message: str, param: str) -> APIError:
 
 
 @dataclass
+class Origins:
+    """Where each chat field came from in the Messages body, for errors: ``messages[i]`` the
+    field of chat message i (``messages[2]``, ``messages[3].content[0]``, ``system``),
+    ``calls[i][j]`` the tool_use block of message i's call j, ``tools[j]`` the index in
+    ``tools`` of chat tool j (server tools are left out)."""
+
+    messages: list[str] = field(default_factory=list)
+    calls: list[list[str]] = field(default_factory=list)
+    tools: list[int] = field(default_factory=list)
+
+    def add(self, where: str, calls: list[str] | None = None) -> None:
+        self.messages.append(where)
+        self.calls.append(calls or [])
+
+
+@dataclass
 class MessagesRequest:
     """A validated Messages request: the chat request it runs as (None for count_tokens'
-    parse, which runs nothing), the chat messages and tools it renders, and for errors the
-    Messages field each chat message came from (``origin[i]``)."""
+    parse, which runs nothing), the chat messages and tools it renders, and for errors where
+    each chat field came from (:class:`Origins`)."""
 
     req: GenRequest | None
     messages: list[dict]
     tools: list[dict] | None
-    origin: list[str]
+    origin: Origins
     stop_sequences: tuple[str, ...]
     left_out: list[str]
 
 
-def rename_error(e: APIError, origin: list[str] | None = None) -> APIError:
-    """The error with the chat fields it names renamed to the Messages fields they came from
-    (origin[i]: the field chat message i came from); origin None: e as it is."""
-    if origin is None:  # found before the translation: it names the Messages fields already
+# A JSON string as json_repr quotes a client's value in a message: never renamed.
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+# A chat tool call's fields -> a tool_use block's.
+_CALL_FIELDS = {".id": ".id", ".function.name": ".name", ".function.arguments": ".input", ".function": "", "": ""}
+
+
+def rename_error(e: APIError, origin: Origins | None = None) -> APIError:
+    """The error with the chat fields it names (outside the values it quotes) renamed to the
+    Messages fields they came from (:class:`Origins`); origin None: e as it is (found before
+    the translation, it names the Messages fields already)."""
+    if origin is None:
         return e
 
-    def message(m: re.Match) -> str:
+    def message(m: re.Match) -> str:  # messages[i], .tool_calls[j](.field), .tool_call_id
         i = int(m.group(1))
-        return origin[i] if i < len(origin) else "messages"
+        where = origin.messages[i] if i < len(origin.messages) else "messages"
+        if m.group(2) is not None:
+            j, rest = int(m.group(2)), m.group(3) or ""
+            if i < len(origin.calls) and j < len(origin.calls[i]):
+                return origin.calls[i][j] + _CALL_FIELDS.get(rest, rest)
+            return where + m.group(0)[m.end(1) + 1 - m.start():]
+        return where + (".tool_use_id" if m.group(4) else "")
+
+    def tool(m: re.Match) -> str:
+        j = int(m.group(1))
+        return f"tools[{origin.tools[j] if j < len(origin.tools) else j}]"
+
+    def outside_quotes(text: str) -> str:
+        text = re.sub(r"\btools\[(\d+)\]", tool, text)
+        for pattern, to in _RENAMES:
+            text = pattern.sub(to, text)
+        return re.sub(r"\bmessages\[(\d+)\](?:\.tool_calls\[(\d+)\]((?:\.function)?(?:\.\w+)?)|(\.tool_call_id\b))?",
+                      message, text)
 
     def rename(text: str | None) -> str | None:
         if text is None:
             return None
-        for pattern, to in _RENAMES:
-            text = pattern.sub(to, text)
-        text = re.sub(r"\bmessages\[(\d+)\](?:\.tool_calls\[\d+\](?:\.function)?(?:\.\w+)?|\.tool_call_id)?", message,
-                      text)
-        return text
+        parts, pos = [], 0
+        for m in _QUOTED.finditer(text):
+            parts += [outside_quotes(text[pos:m.start()]), m.group(0)]
+            pos = m.end()
+        return "".join(parts + [outside_quotes(text[pos:])])
 
     return APIError(e.status, rename(e.message), type=e.type, param=rename(e.param), code=e.code)
 
 
 def _blocks(content: Any, where: str) -> list[dict]:
-    """A message's content as blocks (a string is one text block)."""
+    """A message's content as blocks (a string is one text block), each checked: a block's
+    index in the list is its index in the body (thinking blocks stay, to be skipped)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise _error(f"{where}.content must be a string or a list of content blocks, got {json_repr(content)}",
                      f"{where}.content")
     for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
+        if not isinstance(block, dict):
+            raise _error(f"{at} must be a content block (an object with a type), got {json_repr(block)}", at)
+        kind = block.get("type")
         if kind in _REFUSED_BLOCKS:
-            raise _error(f"{where}.content[{j}].type = {json_repr(kind)} is not supported: this server serves a text "
-                         "model; send text, tool_use and tool_result blocks", f"{where}.content[{j}].type")
+            raise _error(f"{at}.type = {json_repr(kind)} is not supported: this server serves a text model; send text, "
+                         "tool_use and tool_result blocks", f"{at}.type")
         if kind not in ("text", "tool_use", "tool_result", *_DROPPED_BLOCKS):
-            raise _error(f"{where}.content[{j}].type = {json_repr(kind)} is not a content block this server reads: "
-                         "text, tool_use, tool_result (thinking blocks are dropped)", f"{where}.content[{j}].type")
+            raise _error(f"{at}.type = {json_repr(kind)} is not a content block this server reads: text, tool_use, "
+                         "tool_result (thinking blocks are dropped)", f"{at}.type")
         if kind == "text" and not isinstance(block.get("text"), str):
-            raise _error(f"{where}.content[{j}].text must be a string, got {json_repr(block.get('text'))}",
-                         f"{where}.content[{j}].text")
-    return [b for b in content if b["type"] not in _DROPPED_BLOCKS]
+            raise _error(f"{at}.text must be a string, got {json_repr(block.get('text'))}", f"{at}.text")
+    return content
 
 
-def _text(blocks: list[dict], where: str) -> str:
+def _text(blocks: list[dict]) -> str:
     return "".join(b["text"] for b in blocks if b["type"] == "text")
 
 
@@ -142,10 +185,17 @@ def _tool_result(block: dict, where: str) -> dict:
     if not isinstance(call_id, str) or not call_id:
         raise _error(f"{where}.tool_use_id must be a non-empty string, got {json_repr(call_id)}", f"{where}.tool_use_id")
     content = block.get("content", "")
-    text = content if isinstance(content, str) else _text(_blocks(content, where), where)
-    if block.get("is_error") is True:
-        text = "Error: " + text
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+    if not isinstance(content, str):
+        blocks = _blocks(content, where)
+        for j, b in enumerate(blocks):
+            if b["type"] != "text":
+                raise _error(f"{where}.content[{j}].type = {json_repr(b['type'])}: a tool result's content holds text "
+                             "blocks only", f"{where}.content[{j}].type")
+        content = _text(blocks)
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise _error(f"{where}.is_error must be a boolean, got {json_repr(is_error)}", f"{where}.is_error")
+    return {"role": "tool", "tool_call_id": call_id, "content": "Error: " + content if is_error else content}
 
 
 def _tool_use(block: dict, where: str) -> dict:
@@ -159,36 +209,41 @@ def _tool_use(block: dict, where: str) -> dict:
             "function": {"name": block["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def chat_messages(system: str | None, value: Any) -> tuple[list[dict], list[str]]:
-    """``system`` and ``messages`` as chat messages, and the Messages field each came from. A
-    user message's tool_result blocks become tool messages (before its text, as the API
-    requires them first); an assistant message's tool_use blocks its tool_calls. Raises
-    APIError (400) naming the message and block."""
+def chat_messages(system: str | None, value: Any) -> tuple[list[dict], Origins]:
+    """``system`` and ``messages`` as chat messages, and where each came from (:class:`Origins`).
+    A user message's tool_result blocks become tool messages (before its text, as the API
+    requires them first); an assistant message's tool_use blocks its tool_calls; thinking
+    blocks are dropped. Raises APIError (400) naming the message and block."""
     if not isinstance(value, list) or not value:
         raise _error(f"messages must be a non-empty list of messages, got {json_repr(value)}", "messages")
     out: list[dict] = [{"role": "system", "content": system}] if system else []
-    origin: list[str] = ["system"] if system else []
+    origin = Origins()
+    if system:
+        origin.add("system")
     for i, msg in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
-            role = msg.get("role") if isinstance(msg, dict) else msg
+        if not isinstance(msg, dict):
+            raise _error(f"{where} must be a message (an object with role and content), got {json_repr(msg)}", where)
+        role = msg.get("role")
+        if role not in _ROLES:
             raise _error(f"{where}.role = {json_repr(role)} is not supported: expected user or assistant",
                          f"{where}.role")
         blocks = _blocks(msg.get("content"), where)
-        role = msg["role"]
         if role == "system":
-            out.append({"role": "system", "content": _text(blocks, where)})
-            origin.append(where)
+            out.append({"role": "system", "content": _text(blocks)})
+            origin.add(where)
             continue
+        allowed = ("text", "tool_use", *_DROPPED_BLOCKS) if role == "assistant" else ("text", "tool_result")
         for j, b in enumerate(blocks):
-            if b["type"] == "tool_result" and role == "user":
-                out.append(_tool_result(b, f"{where}.content[{j}]"))
-                origin.append(f"{where}.content[{j}]")
-            elif b["type"] != "text" and (b["type"] == "tool_result") == (role == "assistant"):
+            if b["type"] not in allowed:
                 raise _error(f"{where}.content[{j}].type = {json_repr(b['type'])} cannot be in a {role} message",
                              f"{where}.content[{j}].type")
-        text = _text(blocks, where)
-        calls = [_tool_use(b, f"{where}.content[{j}]") for j, b in enumerate(blocks) if b["type"] == "tool_use"]
+            if b["type"] == "tool_result":
+                out.append(_tool_result(b, f"{where}.content[{j}]"))
+                origin.add(f"{where}.content[{j}]")
+        text = _text(blocks)
+        uses = [(f"{where}.content[{j}]", b) for j, b in enumerate(blocks) if b["type"] == "tool_use"]
+        calls = [_tool_use(b, at) for at, b in uses]
         if role == "assistant":
             message: dict = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
@@ -197,17 +252,14 @@ def chat_messages(system: str | None, value: Any) -> tuple[list[dict], list[str]
             message = {"role": "user", "content": text}
         else:
             continue
-        if message["role"] == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
-            out[-1] = {**message, "content": (out[-1]["content"] or "") + (message["content"] or "") or None}
-            origin[-1] = where
-            continue
         out.append(message)
-        origin.append(where)
+        origin.add(where, [at for at, _ in uses])
     return out, origin
 
 
-def _tools(value: Any) -> tuple[list[dict] | None, list[str]]:
-    """``tools`` as chat tools, and the names of the server tools left out."""
+def _tools(value: Any, origin: Origins) -> tuple[list[dict] | None, list[str]]:
+    """``tools`` as chat tools (each one's index in ``tools`` added to origin.tools), and the
+    names of the server tools left out."""
     if value is None:
         return None, []
     if not isinstance(value, list):
@@ -216,13 +268,21 @@ def _tools(value: Any) -> tuple[list[dict] | None, list[str]]:
     for i, tool in enumerate(value):
         if not isinstance(tool, dict):
             raise _error(f"tools[{i}] must be an object, got {json_repr(tool)}", f"tools[{i}]")
-        if tool.get("type") not in (None, "custom"):
-            left_out.append(str(tool.get("name") or tool.get("type")))
+        kind = tool.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise _error(f"tools[{i}].type must be a string (\"custom\", or a server tool's type), got "
+                         f"{json_repr(kind)}", f"tools[{i}].type")
+        if kind not in (None, "custom"):
+            left_out.append(str(tool.get("name") or kind))
             continue
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise _error(f"tools[{i}].input_schema is required: the JSON schema (an object) of the tool's input, got "
                          f"{json_repr(schema)}", f"tools[{i}].input_schema")
+        if schema.get("type", "object") != "object":
+            raise _error(f"tools[{i}].input_schema.type = {json_repr(schema['type'])}: a tool's input is an object "
+                         "(type \"object\")", f"tools[{i}].input_schema.type")
+        origin.tools.append(i)
         fn = {"name": tool.get("name"), "parameters": schema}
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
@@ -279,31 +339,36 @@ def parse_messages(body: Any, model_name: str, n_ctx: int, tool_format: ToolCall
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {json_repr(body)}")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None:
         raise _error(f"model is required: this server serves {json_repr(model_name)}", "model")
+    if not isinstance(model, str):
+        raise _error(f"model must be a string (this server serves {json_repr(model_name)}), got {json_repr(model)}",
+                     "model")
     if model != model_name:
         raise APIError(404, f"the model {json_repr(model)} does not exist: this server serves {json_repr(model_name)} "
                        "(serve --served-model-name maps other names to it)", type="not_found_error", param="model",
                        code="model_not_found")
     messages, origin = chat_messages(system_text(body.get("system")), body.get("messages"))
-    tools, left_out = _tools(body.get("tools"))
+    tools, left_out = _tools(body.get("tools"), origin)
     choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
         raise _error(f"stop_sequences must be a list of strings, got {json_repr(stops)}", "stop_sequences")
     stops = tuple(s for s in stops or () if s)
     metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise _error(f"metadata must be an object, got {json_repr(metadata)}", "metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and isinstance(metadata.get("user_id", ""), str)):
+        raise _error(f"metadata must be an object whose user_id is a string, got {json_repr(metadata)}", "metadata")
     temperature = body.get("temperature")
-    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                    or not 0 <= temperature <= 1):
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
+        raise _error(f"temperature must be a number, got {json_repr(temperature)}", "temperature")
+    if temperature is not None and not 0 <= temperature <= 1:
         raise _error(f"temperature = {json_repr(temperature)} is out of range: expected 0 <= temperature <= 1",
                      "temperature")
-    max_tokens = body.get("max_tokens")
+    max_tokens = None if count_only else body.get("max_tokens")  # (count_tokens takes none: ignored)
+    if not count_only and max_tokens is None:
+        raise _error("max_tokens is required: the most tokens to generate, an integer >= 1", "max_tokens")
     if not count_only and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise _error(f"max_tokens is required: the most tokens to generate, an integer >= 1; got "
-                     f"{json_repr(max_tokens)}", "max_tokens")
+        raise _error(f"max_tokens must be an integer >= 1, got {json_repr(max_tokens)}", "max_tokens")
     chat: dict[str, Any] = {"model": model_name, "messages": messages, "tools": tools, "tool_choice": choice,
                             "parallel_tool_calls": parallel, "stop": list(stops) or None,
                             "response_format": _response_format(body.get("output_config")),

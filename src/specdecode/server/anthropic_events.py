@@ -74,12 +74,16 @@ def stop_reason(result: Any, calls: int, mr: MessagesRequest) -> tuple[str, str 
     return "end_turn", None
 
 
-def _tool_use(call_id: str, name: str, arguments: str) -> dict | None:
+def _tool_use(call_id: str, name: str, arguments: str) -> dict | str:
+    """A call as a tool_use block, or, when its arguments are no JSON object (a call cut off by
+    max_tokens), the text the model wrote for it: nothing added that it did not write."""
     try:
         args = json.loads(arguments)
     except ValueError:
-        return None
-    return {"type": "tool_use", "id": call_id, "name": name, "input": args} if isinstance(args, dict) else None
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}'
+    if not isinstance(args, dict):
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
+    return {"type": "tool_use", "id": call_id, "name": name, "input": args}
 
 
 class MessageBuilder:
@@ -102,8 +106,8 @@ class MessageBuilder:
         for call in calls:
             fn = call["function"]
             block = _tool_use(call["id"], fn["name"], fn["arguments"])
-            if block is None:  # no JSON object: left as the text the model wrote
-                text += f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": {fn["arguments"]}}}\n</tool_call>'
+            if isinstance(block, str):  # no JSON object: left as the text the model wrote
+                text += block
             else:
                 blocks.append(block)
         content = ([{"type": "text", "text": text}] if text or not blocks else []) + blocks
@@ -118,7 +122,10 @@ def _event(kind: str, data: dict) -> str:
 
 class MessagesStream(StreamWriter):
     """The events of one streamed message (module docstring). n_prompt: the prompt's tokens
-    (message_start's input_tokens, before the cached part is known)."""
+    (message_start's input_tokens, before the cached part is known). A tool call is held until
+    its arguments are complete, then sent as one tool_use block (its input in one
+    input_json_delta), so that a call cut off by max_tokens is the same text as in the whole
+    answer, never a tool_use block with partial input."""
 
     keepalive_s = PING_S
 
@@ -130,6 +137,7 @@ class MessagesStream(StreamWriter):
         self.index = -1  # the open block's index (-1: none yet)
         self.open_kind: str | None = None
         self.calls = 0
+        self.pending: dict | None = None  # the call whose arguments are arriving
 
     def open(self) -> list[str]:
         use = {"input_tokens": self.n_prompt, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
@@ -151,22 +159,37 @@ class MessagesStream(StreamWriter):
         self.open_kind = None
         return [_event("content_block_stop", {"index": self.index})]
 
+    def _text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        out = self._start({"type": "text", "text": ""}) if self.open_kind != "text" else []
+        return out + [_event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})]
+
+    def _flush(self) -> list[str]:
+        """The pending call's events: a tool_use block, or the text it was (:func:`_tool_use`)."""
+        call, self.pending = self.pending, None
+        if call is None:
+            return []
+        block = _tool_use(call["id"], call["name"], call["arguments"])
+        if isinstance(block, str):
+            return self._text(block)
+        self.calls += 1
+        return self._start({**block, "input": {}}) + [
+            _event("content_block_delta", {"index": self.index, "delta": {"type": "input_json_delta",
+                                                                          "partial_json": call["arguments"]}}),
+            *self._stop()]
+
     def _parts(self, parts: list[tuple]) -> list[str]:
         out: list[str] = []
         for part in parts:
+            if part[0] == "arguments":
+                self.pending["arguments"] += part[2]
+                continue
+            out += self._flush()
             if part[0] == "content":
-                if not part[1]:
-                    continue
-                if self.open_kind != "text":
-                    out += self._start({"type": "text", "text": ""})
-                out.append(_event("content_block_delta", {"index": self.index,
-                                                          "delta": {"type": "text_delta", "text": part[1]}}))
-            elif part[0] == "call":
-                self.calls += 1
-                out += self._start({"type": "tool_use", "id": part[2], "name": part[3], "input": {}})
+                out += self._text(part[1])
             else:
-                out.append(_event("content_block_delta", {"index": self.index,
-                                                          "delta": {"type": "input_json_delta", "partial_json": part[2]}}))
+                self.pending = {"id": part[2], "name": part[3], "arguments": ""}
         return out
 
     def delta(self, event: Delta) -> list[str]:
@@ -175,7 +198,7 @@ class MessagesStream(StreamWriter):
     def choice(self, event: ChoiceDone, last: bool) -> list[str]:
         result = event.result
         out = self._parts(self.parser.close()) if self.parser is not None else []
-        out += self._stop()
+        out += self._flush() + self._stop()
         stop = stop_reason(result, self.calls, self.builder.mr)
         out.append(_event("message_delta", {"delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
                                             "usage": usage(result),
@@ -222,6 +245,8 @@ async def count_tokens(server: Any, request: Request) -> Response:
     would be read} (chat template, tools and all)."""
     from fastapi.responses import JSONResponse
 
+    from jinja2 import TemplateError
+
     from ..errors import SpecDecodeError
     from .body import parse_json_body, read_body
 
@@ -230,8 +255,8 @@ async def count_tokens(server: Any, request: Request) -> Response:
     mr = parse_messages(body, server.model_name, w.n_ctx, w.tool_format, server.options.strict, count_only=True)
     try:
         ids = await w.preparer.run_async(lambda: server.decoder.prompt_ids(messages=mr.messages, tools=mr.tools))
-    except SpecDecodeError as e:
-        raise rename_error(APIError(400, str(e), param=e.param or "messages"), mr.origin) from None
+    except (SpecDecodeError, TemplateError) as e:  # the template refused the messages, or a field is wrong
+        raise rename_error(APIError(400, str(e), param=getattr(e, "param", None) or "messages"), mr.origin) from None
     return JSONResponse({"input_tokens": len(ids)})
 
 
