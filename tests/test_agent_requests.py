@@ -102,3 +102,32 @@ def test_system_messages_mid_conversation(setup):
         assert prompt.startswith("system: Be brief.\n\nNow answer in French.\nuser: hi\nassistant: Hello.\nuser: again")
     else:  # kept where it was: the earlier turns stay the cached prefix
         assert "assistant: Hello.\nsystem: Now answer in French.\nuser: again" in prompt
+
+
+def test_a_schema_keyword_llguidance_lacks_keeps_the_other_tools_constrained():
+    """Claude Code's TaskCreate schema has ``propertyNames``, which llguidance does not
+    implement: compiled strictly it failed the whole lazy grammar, and every call of every tool
+    went unconstrained (a Grep call without its required ``pattern`` reached Claude Code).
+    Compiled leniently, the keyword constrains nothing and the rest still holds."""
+    from specdecode.grammar import Grammar, GrammarConstraint, check_grammar
+    from specdecode.errors import SpecDecodeError
+
+    backend = ScriptBackend()
+    task = {"type": "object", "properties": {"subject": {"type": "string"}, "metadata": {
+        "type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {}}},
+            "required": ["subject"], "additionalProperties": False}
+    with pytest.raises(SpecDecodeError, match="propertyNames"):  # the negative control: strictly, no grammar
+        check_grammar(Grammar.json_schema(task), backend)
+    tools = [tool(WEATHER), {"type": "function", "function": {"name": "TaskCreate", "parameters": task}}]
+    req = parse_request({"model": MODEL, "messages": ASK, "tools": tools}, "chat", MODEL, 4096, HermesFormat())
+    constraint = GrammarConstraint(req.options.grammar, backend)
+    assert not constraint.retired
+
+    def allowed(text: str) -> bool:
+        ids = backend.tokenize(text)
+        return GrammarConstraint(req.options.grammar, backend).valid_prefix(ids) == len(ids)
+
+    assert allowed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert not allowed('<tool_call>\n{"name": "get_weather", "arguments": {"query": "Paris"}}\n</tool_call>')
+    assert allowed('<tool_call>\n{"name": "TaskCreate", "arguments": {"subject": "a", "metadata": {"k": 1}}}\n</tool_call>')
+    assert not allowed('<tool_call>\n{"name": "TaskCreate", "arguments": {"title": "a"}}\n</tool_call>')

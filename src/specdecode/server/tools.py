@@ -44,10 +44,15 @@ class ToolRequest:
         return tuple(t["function"]["name"] for t in self.tools)
 
     def schema(self, name: str) -> dict:
-        """The parameters schema of the named function (an object schema: "type" defaults to "object")."""
+        """The parameters schema of the named function, as its grammar enforces it: an object
+        schema ("type" defaults to "object"), compiled leniently (llguidance's ``lenient``: a
+        keyword it does not implement, such as ``propertyNames`` in Claude Code's TaskCreate,
+        constrains nothing instead of failing the whole grammar, whose calls would then go
+        unconstrained under tool_choice auto)."""
         fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
         params = fn.get("parameters")
-        return _NO_PARAMETERS if params is None else params if "type" in params else {"type": "object", **params}
+        schema = _NO_PARAMETERS if params is None else params if "type" in params else {"type": "object", **params}
+        return schema if "x-guidance" in schema else {**schema, "x-guidance": {"lenient": True}}
 
     def grammar(self) -> Grammar:
         """The grammar forcing the calls (tool_choice required or named); under auto, the lazy
