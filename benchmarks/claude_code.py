@@ -17,8 +17,8 @@ that brings no content for 5 minutes and sends the request again; a scratch ``HO
 no user setting leaks in). Reported:
 whether the turn completed (its ``result`` event, subtype success, no error), the tool calls it
 made (their names and inputs) and whether the tests pass afterwards, the wall time, the
-server's requests, prompt tokens, cached prompt tokens (reused from a slot, not read again) and
-generated tokens (``/metrics``), and any 4xx the server logged.
+server's requests, prompt tokens, cached prompt tokens (reused from a slot, not read again),
+generated tokens and the drafted and accepted ones (``/metrics``), and any 4xx the server logged.
 
     python benchmarks/claude_code.py --target qwen2.5-coder-1.5b-instruct --ctx-size 32768
 
@@ -107,11 +107,12 @@ def main(argv=None) -> None:
     print(json.dumps(r, indent=1), flush=True)
     print(f"\n{version}, claude -p on a two-file repository through specdecode serve --api-key ({r['model']}, "
           f"--ctx-size {args.ctx_size}); {cpu_name()}, {os.cpu_count()} CPUs")
-    print("| turn completed | tool calls | tests pass | wall s | requests | prompt / cached / generated tokens | 4xx |")
-    print("|---|---|---|---|---|---|---|")
+    print("| turn completed | tool calls | tests pass | wall s | requests | prompt / cached / generated tokens | "
+          "drafted / accepted | 4xx |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {r['completed']} | {len(r['calls'])}: {'; '.join(r['calls'])} | {r['tests_pass']} | {r['wall_s']:.0f} | "
           f"{r['requests']} | {r['prompt_tokens']} / {r['cached_tokens']} / {r['generated_tokens']} | "
-          f"{len(r['rejected'])} |")
+          f"{r['drafted_tokens']} / {r['accepted_tokens']} | {len(r['rejected'])} |")
     print(f"logs: {work}")
 
 

@@ -144,11 +144,13 @@ def metric_total(metrics: str, name: str) -> float:
 
 def agent_outcome(repo: Path, before: str, after: str, log: Path) -> dict:
     """What an agent's run left: whether the repository's tests pass, the server's finished
-    requests, prompt, cached prompt and generated tokens between two /metrics texts, and the
+    requests, prompt, cached prompt, generated, drafted and accepted tokens between two /metrics
+    texts, and the
     first 4xx lines of the server's log (its access log and its refusal lines)."""
     tests = subprocess.run([sys.executable, "-m", "unittest", "-q"], cwd=repo, capture_output=True, text=True)
     names = {"requests": "e2e_request_latency_seconds_count", "prompt_tokens": "prompt_tokens_total",
-             "cached_tokens": "prompt_tokens_cached_total", "generated_tokens": "generation_tokens_total"}
+             "cached_tokens": "prompt_tokens_cached_total", "generated_tokens": "generation_tokens_total",
+             "drafted_tokens": "num_draft_tokens_total", "accepted_tokens": "num_accepted_tokens_total"}
     rejected = [line for line in log.read_text(errors="replace").splitlines()
                 if re.search(r'" 4\d\d |\b4\d\d /', line)]  # uvicorn's access line, the server's refusal line
     return {"tests_pass": tests.returncode == 0, "rejected": rejected[:5],
