@@ -39,8 +39,8 @@ def test_create_stream_and_count_tokens(client):
         final = stream.get_final_message()
     assert text == final.content[0].text == msg.content[0].text
     assert final.usage.output_tokens == msg.usage.output_tokens
-    # The second request reads the same prompt: its prefix is the slot's cache.
-    assert final.usage.cache_read_input_tokens > 0
+    # The same prompt, read or reused (a fresh server may measure its costs between the two
+    # requests, which overwrites a short prompt's cache: reuse is tests/test_anthropic.py's).
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
         msg.usage.input_tokens + msg.usage.cache_read_input_tokens
     n = client.messages.count_tokens(model=MODEL, system="Be brief.",
