@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
 from .apierror import APIError
@@ -56,7 +57,7 @@ class StreamWriter:
         return []
 
 
-class Dialect:
+class Dialect(ABC):
     """One API's shapes around the one request model (:class:`.protocol.GenRequest`).
 
     path: the route of its generation requests (POST). prefix: the paths whose errors are in
@@ -78,8 +79,10 @@ class Dialect:
         """Other endpoints of this API: (path, handler(request), methods)."""
         return []
 
+    @abstractmethod
     def parse(self, body: Any, server: Any) -> Any:
-        raise NotImplementedError
+        """body (decoded JSON) as the API's parsed request, whose ``req`` is the GenRequest to
+        run (None: answered by :meth:`no_job`). Raises APIError naming the field at fault."""
 
     def rename(self, error: APIError, parsed: Any) -> APIError:
         """error with the fields it names in this API's words; parsed: the request, or None when
@@ -90,13 +93,17 @@ class Dialect:
         return error.body()
 
     def no_job(self, parsed: Any, server: Any) -> dict:
-        raise NotImplementedError
+        """The answer to a request with nothing to generate (Ollama's load call); only a
+        dialect whose parse gives such requests answers one."""
+        raise APIError(500, f"{type(self).__name__} parsed a request with nothing to run", type="server_error")
 
+    @abstractmethod
     def whole(self, parsed: Any, choices: list[ChoiceDone], job: Any, server: Any) -> Any:
-        raise NotImplementedError
+        """The whole answer (JSON-able) from the choices' ChoiceDone events, in order."""
 
+    @abstractmethod
     def writer(self, parsed: Any, job: Job, server: Any) -> StreamWriter:
-        raise NotImplementedError
+        """The writer of this request's stream."""
 
 
 class Disconnected(Exception):
