@@ -1,13 +1,17 @@
 """OpenAI-compatible HTTP server: ``specdecode serve``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics (Prometheus text format); Ollama's API under /api/ (chat,
-generate, tags, show, ps, version: :mod:`.ollama`).
+GET /health, GET /metrics (Prometheus text format); POST /v1/responses (OpenAI's Responses
+API: :mod:`.responses_api`); POST /v1/messages and /v1/messages/count_tokens (Anthropic's
+Messages API: :mod:`.anthropic`); POST /infill, /tokenize, /detokenize and GET /props
+(llama.cpp's: :mod:`.infill`, :mod:`.utility`); Ollama's API under /api/ (chat, generate,
+tags, show, ps, version: :mod:`.ollama`). Every generation route runs through one
+:class:`.runner.RouteRunner`; the APIs are listed in :mod:`.dialects`.
 
 Who may call: with an API key (``--api-key KEY`` or the environment variable
 SPECDECODE_API_KEY, which keeps the key out of the process list; the option wins), every
 request under /v1 (indeed every path but /health and /metrics) must send
-``Authorization: Bearer KEY``; any other gets 401 (OpenAI's error body, code
+``Authorization: Bearer KEY`` or ``x-api-key: KEY``; any other gets 401 (OpenAI's error body, code
 invalid_api_key, header WWW-Authenticate: Bearer) before its body is read, and nothing
 of it reaches the worker (counted as request_rejected_total{reason="unauthorized"}). The
 key is compared in constant time. /health and /metrics stay open, key or not: they tell

@@ -1,4 +1,5 @@
-"""The FastAPI app of ``specdecode serve``: routes, streams as server-sent events, model cards (the bodies are :mod:`.responses`').
+"""The FastAPI app of ``specdecode serve``: its middleware, the routes of every API (:mod:`.dialects`, run by
+:mod:`.runner`), model cards, health, metrics and the page.
 
 FastAPI, Starlette and prometheus_client are imported inside the functions that use them
 (:func:`create_app` and the routes), so that importing :mod:`specdecode.server` (as the CLI
@@ -98,7 +99,8 @@ def create_app(decoder: Any, options: ServerOptions | None = None, **fields: Any
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI-style error body (Ollama's under /api/): APIError as it is,
+    """Every error in its API's shape (OpenAI's; Ollama's under /api/, Anthropic's under
+    /v1/messages: :func:`.access.error_response`): APIError as it is,
     Starlette's HTTP errors (404 for no route, 405, ...), validation errors as 400, anything else as 500."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
