@@ -11,7 +11,9 @@ The same SDK against the real small model is tests/test_clients_anthropic.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 
 import anthropic
 import httpx
@@ -34,6 +36,20 @@ HI = [{"role": "user", "content": "hi"}]
 # The SDK calls ask temperature 0 (the 2026 SDK has no parameter for it: extra_body): the
 # default, 1, samples, and the scripted model's fixed answer is only its most likely text.
 GREEDY = {"temperature": 0}
+
+
+@contextlib.contextmanager
+def caplog_at(level: int):
+    """The lines the server's logger ("specdecode.server") writes meanwhile."""
+    lines: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("specdecode.server")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def parse(body: dict, **kw):
@@ -280,8 +296,10 @@ def test_errors_are_the_sdks_own_classes(server, client):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=8, messages=HI)
     assert e.value.body["error"]["type"] == "authentication_error"
-    with pytest.raises(anthropic.NotFoundError):
+    with pytest.raises(anthropic.NotFoundError), caplog_at(logging.WARNING) as log:
         client.messages.create(model="gpt-4o", max_tokens=8, messages=HI)
+    # The server's log names what was asked for: what an operator maps with --served-model-name.
+    assert any("404 /v1/messages" in line and '"gpt-4o"' in line for line in log)
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
@@ -316,7 +334,7 @@ def test_served_model_names_are_aliases(client, server):
     for name in ("claude-haiku-4-5", "claude-sonnet-4-5"):
         assert client.messages.create(model=name, extra_body=GREEDY, max_tokens=4, messages=HI).model == MODEL
     models = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).json()["data"]
-    assert [m["id"] for m in models] == [MODEL]
+    assert [m["id"] for m in models] == [MODEL, "claude-haiku-4-5", "claude-sonnet-4-5"]  # as vLLM lists them
 
 
 def test_a_changing_billing_line_keeps_the_second_turn_cached(client):

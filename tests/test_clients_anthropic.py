@@ -71,3 +71,22 @@ def test_errors_are_the_sdks_classes(client):
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_llama_cpp_utility_endpoints_on_the_real_model(client):
+    """/tokenize, /detokenize and /props as llama.cpp's server renders them: a control token
+    (``<|im_end|>``) as its text, and the GGUF's own end token in /props."""
+    import httpx
+
+    url, headers = str(client.base_url).rstrip("/"), {"x-api-key": KEY}
+    tokens = httpx.post(url + "/tokenize", json={"content": "hi<|im_end|>", "with_pieces": True},
+                        headers=headers).json()["tokens"]
+    assert tokens[-1]["piece"] == "<|im_end|>" and "".join(t["piece"] for t in tokens) == "hi<|im_end|>"
+    ids = [t["id"] for t in tokens]
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}, headers=headers).json() == {"content": "hi<|im_end|>"}
+    plain = httpx.post(url + "/tokenize", json={"content": "hi<|im_end|>", "parse_special": False},
+                       headers=headers).json()["tokens"]
+    assert len(plain) > len(ids)  # read as text, the marker is several tokens
+    props = httpx.get(url + "/props", headers=headers).json()
+    assert props["eos_token"] == "<|im_end|>" and props["default_generation_settings"]["n_ctx"] == 4096
+    assert "<|im_start|>" in props["chat_template"] and props["model_alias"] == MODEL

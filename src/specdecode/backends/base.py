@@ -234,6 +234,8 @@ class BackendBase:
     invariant_block: int | None = None
     kv_shared = False
     chat_template: str | None = None  # a backend whose model has one overrides this
+    bos_id: int | None = None  # the model's start and end tokens (its vocabulary's), where it names them
+    eos_id: int | None = None
     fim_tokens: FimTokens | None = None  # the model's fill-in-the-middle tokens (:mod:`.fim`), where it has them
     prefill_split: int | None = None  # a long forward's calls (llama.cpp: n_batch tokens); None: one call
     context = None  # the ContextChoice a loader sized the context with (None: a backend given as it is)

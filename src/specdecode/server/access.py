@@ -54,11 +54,15 @@ LOG = logging.getLogger("specdecode.server")
 def log_refusal(e: APIError, path: str) -> None:
     """One line in the server's log for a request refused with a 4xx, with what says why (the
     error's type, code and the field at fault) and never the body's contents or the message
-    (which may quote them): ``400 /v1/responses: invalid_request_error, param reasoning``."""
+    (which may quote them): ``400 /v1/responses: invalid_request_error, param reasoning``; for
+    a model the server does not serve, the message (the name asked for and the name served), so
+    that an operator sees what to map with ``--served-model-name``."""
     def short(v: Any) -> str:  # a field name may come from the body: one line, at most 80 characters
         return str(v)[:80].encode("unicode_escape").decode("ascii")
 
     reason = ", ".join([e.type] + [f"{k} {short(v)}" for k, v in (("code", e.code), ("param", e.param)) if v])
+    if e.status == 404 and e.param == "model":  # the name asked for, to alias it (--served-model-name)
+        reason += ": " + short(e.message)
     LOG.warning("%d %s: %s", e.status, short(path) or "?", reason)
 
 

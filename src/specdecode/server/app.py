@@ -198,8 +198,10 @@ class _Routes:
     async def list_models(self, request: Request) -> Response:
         from fastapi.responses import JSONResponse
 
-        return JSONResponse({"object": "list", "data": [_model_card(self.model_name, self.created,
-                                                                    self.worker.n_ctx)]})
+        # The served name first, then its aliases (--served-model-name), each a card, as vLLM lists them.
+        names = [self.model_name] + [n for n in self.options.served_model_names if n != self.model_name]
+        return JSONResponse({"object": "list", "data": [_model_card(n, self.created, self.worker.n_ctx)
+                                                        for n in names]})
 
     async def get_model(self, request: Request) -> Response:
         from fastapi.responses import JSONResponse

@@ -4,9 +4,10 @@
 - ``POST /tokenize`` ``{"content": str, "add_special": false, "parse_special": true,
   "with_pieces": false}`` -> ``{"tokens": [id, ...]}``, or with ``with_pieces``
   ``{"tokens": [{"id": id, "piece": str}, ...]}`` (a piece that is no UTF-8 on its own: its
-  bytes as a list of integers, as llama.cpp gives it).
-- ``POST /detokenize`` ``{"tokens": [id, ...]}`` -> ``{"content": str}`` (ids outside the
-  vocabulary: 400 naming the first).
+  bytes as a list of integers, as llama.cpp gives it; a control token such as ``<|im_end|>``
+  as its text).
+- ``POST /detokenize`` ``{"tokens": [id, ...]}`` -> ``{"content": str}`` (control tokens as
+  their text, as llama.cpp renders them; ids outside the vocabulary: 400 naming the first).
 - ``GET /props``: ``default_generation_settings`` (``n_ctx``, ``params`` with the defaults a
   request gets, ``speculative.n_max``), ``total_slots``, ``model_alias``, ``model_path``,
   ``chat_template``, ``modalities``, ``bos_token`` / ``eos_token``, ``build_info``, and this
@@ -30,6 +31,16 @@ if TYPE_CHECKING:
 
 # The most ids one /detokenize may send (a whole context of the largest models is far less).
 MAX_DETOKENIZE = 1 << 20
+
+
+def piece_bytes(target: Any, token_id: int) -> bytes:
+    """A token's piece as llama.cpp's server renders it (special tokens included: a control
+    token such as ``<|im_end|>``, which has no text piece, shows its vocabulary text)."""
+    return target.token_bytes(token_id) or target.token_text(token_id)
+
+
+def piece_text(target: Any, token_id: int) -> str:
+    return piece_bytes(target, token_id).decode("utf-8", "replace")
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -74,8 +85,8 @@ class UtilityRoutes:
         ids = await self.server.worker.preparer.run_async(decoder.tokenize, content, add_special, parse_special)
         if not b.boolean("with_pieces"):
             return JSONResponse({"tokens": ids})
-        piece = decoder.target.token_bytes
-        return JSONResponse({"tokens": [{"id": i, "piece": _piece(piece(i))} for i in ids]})
+        target = decoder.target
+        return JSONResponse({"tokens": [{"id": i, "piece": _piece(piece_bytes(target, i))} for i in ids]})
 
     async def detokenize(self, request: Request) -> Response:
         from fastapi.responses import JSONResponse
@@ -90,8 +101,8 @@ class UtilityRoutes:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
                 raise APIError(400, f"tokens[{i}] = {json_repr(t)} is not a token id: expected an integer 0 <= id < "
                                f"{n_vocab} (the vocabulary size)", param=f"tokens[{i}]")
-        piece = self.server.decoder.target.token_bytes
-        text = b"".join(piece(t) for t in tokens).decode("utf-8", "replace")
+        target = self.server.decoder.target
+        text = b"".join(piece_bytes(target, t) for t in tokens).decode("utf-8", "replace")
         return JSONResponse({"content": text})
 
     async def props(self, request: Request) -> Response:
@@ -106,10 +117,9 @@ def props(server: Any) -> dict:
     info = info_view(decoder, server.model_name)
     k = info["num_speculative_tokens"]
 
-    def token(token_id: Any) -> str:
-        return target.token_text(token_id).decode("utf-8", "replace") if isinstance(token_id, int) else ""
+    def token(token_id: int | None) -> str:
+        return piece_text(target, token_id) if token_id is not None else ""
 
-    eos = min(target.eog_ids) if target.eog_ids else None
     params = {"n_predict": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": -1,
               "stream": False, "speculative.n_max": k, "speculative.n_min": 0}
     return {
@@ -120,8 +130,8 @@ def props(server: Any) -> dict:
         "model_path": str(target.path) if target.path is not None else target.name,
         "chat_template": target.chat_template or "",
         "modalities": {"vision": False, "audio": False},
-        "bos_token": token(getattr(target, "bos_id", None)),
-        "eos_token": token(eos),
+        "bos_token": token(target.bos_id),
+        "eos_token": token(target.eos_id),
         "build_info": "specdecode",
         "n_ctx": server.worker.n_ctx,
         "speculative": {"draft": info["draft"], "drafters": info["drafters"], "n_max": k,

@@ -20,6 +20,12 @@ class LlamaText:
         t = int(self._lib.llama_vocab_bos(self._vocab))
         return t if t >= 0 else None
 
+    @property
+    def eos_id(self) -> int | None:
+        """The vocabulary's end-of-sequence token (llama_vocab_eos), None where it has none."""
+        eos = int(self._lib.llama_vocab_eos(self._vocab))
+        return eos if eos >= 0 else None
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         self._require_open()
         data = check_text(text, "the text to tokenize").encode("utf-8")
@@ -78,9 +84,9 @@ class LlamaText:
             raise SpecDecodeError(f"model {self.name} has no chat template; use a plain prompt instead")
         if any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
             raise SpecDecodeError(f"chat messages need 'role' and 'content', got {list(messages)!r:.200}")
-        bos, eos = self.bos_id, int(self._lib.llama_vocab_eos(self._vocab))
+        bos, eos = self.bos_id, self.eos_id
         fmt = Jinja2ChatFormatter(template=self.chat_template,
-                                  eos_token=self.token_text(eos).decode("utf-8", "replace") if eos >= 0 else "",
+                                  eos_token=self.token_text(eos).decode("utf-8", "replace") if eos is not None else "",
                                   bos_token=self.token_text(bos).decode("utf-8", "replace") if bos is not None else "")
         try:
             return fmt(messages=list(messages), tools=list(tools) if tools else None).prompt

@@ -197,6 +197,11 @@ class TorchBackend(BackendBase):
         t = getattr(self.tokenizer, "chat_template", None)
         return "\n".join(str(v) for v in t.values()) if isinstance(t, dict) else t or None
 
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's end-of-sequence token, None without one."""
+        return getattr(self.tokenizer, "eos_token_id", None)
+
     def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
         tok = self.tokenizer
         if tok is None or not self.chat_template:
