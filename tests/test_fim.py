@@ -113,6 +113,12 @@ def test_torch_backend_reads_fim_tokens_from_its_tokenizer():
     assert {t.pad, t.rep, t.sep} <= backend.eog_ids
     ids = fim_prompt_ids(backend, FimInput("def f(x):\n", "    return x\n"))
     assert ids[-1] == t.mid and ids.count(t.pre) == ids.count(t.suf) == 1 and ids[0] == t.rep
+    # llama.cpp's layout token for token, the /infill prompt field and budget included
+    from specdecode.backends.fim import FimBudget
+    fim = FimInput("def f(x):\n" * 40, "    return x\n" * 80, (("a.py", "x = 1\n" * 50),), fit=True, prompt="    ret")
+    want = llama_cpp_infill(lambda s: backend.tokenize(s, add_special=False, parse_special=False), t, None,
+                            fim.prefix, fim.suffix, fim.extra, fim.prompt, 2048, -1, 4096)
+    assert fim_prompt_ids(backend, fim, budget=FimBudget.for_context(4096, 16)) == want
 
 
 def test_a_model_without_fim_tokens_is_refused_by_name(smollm):
@@ -202,12 +208,62 @@ def test_llama_cpps_infill_budget_trims_instead_of_refusing(qwen):
     prefix, suffix = "x = 1\n" * 3000, "y = 2\n" * 1000
     files = tuple((f"f{i}.py", f"z{i} = {i}\n" * 300) for i in range(8))
     budget = FimBudget.for_context(4096, 128)
-    assert budget.n_batch == 2048
+    assert (budget.n_batch, budget.n_predict, budget.reserve) == (2048, -1, 128)  # llama-server's -b and -n
     ids = fim_prompt_ids(b, FimInput(prefix, suffix, files), budget=budget)
     whole = fim_prompt_ids(b, FimInput(prefix, suffix, files))
     assert len(whole) > 4096 >= len(ids) + 128
     mid = ids.index(t.pre)
     assert len(ids) - mid == 1 + 1536 + 1 + 510 + 1  # pre, the prefix's last 3/4 n_batch, suf, 510, mid
     assert ids[mid + 1:mid + 1537] == text_ids(b, prefix)[-1536:]
-    assert mid == 4096 - 2048 - 2 * 128  # the files' last tokens (the newest files), whole budget used
+    # llama.cpp's budget keeps the files' last 4096 - 2048 + 2 tokens, 3 too many for this context:
+    # the oldest go until the middle's 128 fit
+    assert mid == 4096 - 128 - (len(ids) - mid)
     assert ids[:mid] == whole[:whole.index(t.pre)][-mid:]
+
+
+def llama_cpp_infill(tokenize, t, bos, prefix, suffix, extra, prompt, n_batch, n_predict, n_ctx):
+    """A line-by-line transcription of llama.cpp's ``format_prompt_infill``
+    (tools/server/server-common.cpp, the llama.cpp that llama-cpp-python 0.3.36 vendors), the
+    reference the layout is held to. tokenize(text) -> ids without BOS or special parsing."""
+    extra_tokens = [t.rep, *tokenize("myproject\n")] if t.rep is not None else []
+    for filename, text in extra:
+        extra_tokens += [t.sep, *tokenize(filename + "\n")] if t.sep is not None else \
+            tokenize("\n\n--- snippet ---\n\n")
+        extra_tokens += tokenize(text)
+    if t.sep is not None:
+        extra_tokens += [t.sep, *tokenize("filename\n")]
+    tokens_prefix, tokens_suffix, tokens_prompt = tokenize(prefix), tokenize(suffix), tokenize(prompt)
+    n_prefix_take = min(len(tokens_prefix), 3 * (n_batch // 4))
+    n_suffix_take = min(len(tokens_suffix), max(0, (n_batch // 4) - (2 + len(tokens_prompt))))
+    n_extra_take = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra_tokens))
+    tokens_prefix = tokens_prefix[len(tokens_prefix) - n_prefix_take:]
+    tokens_suffix = tokens_suffix[:n_suffix_take]
+    embd_inp = [t.pre, *tokens_prefix, *tokens_prompt]
+    if bos is not None:
+        embd_inp.insert(0, bos)
+    embd_inp = extra_tokens[len(extra_tokens) - n_extra_take:] + embd_inp
+    return embd_inp + [t.suf, *tokens_suffix] + [t.mid]
+
+
+def test_infill_prompt_is_llama_cpps_token_for_token_with_the_prompt_field(qwen):
+    """/infill's ``prompt`` (llama.vim: the current line up to the cursor) is tokenized on its own
+    after the prefix's tokens, and shortens the suffix's budget; the files keep llama-server's
+    n_ctx - 2048 + 2 newest tokens (its -n of -1)."""
+    from specdecode.backends.fim import FimBudget
+
+    b, t = qwen.target, qwen.target.fim_tokens
+    line = "    a, b = b, a +"  # tokenized alone: not what "...\n    a, b = b, a +" gives as one text
+    files = tuple((f"f{i}.py", f"z{i} = {i}\n" * 120) for i in range(8))
+    suffix = "y = 2\n" * 400
+    for n_ctx in (4096, 6144):
+        budget = FimBudget.for_context(n_ctx, 64)
+        ids = fim_prompt_ids(b, FimInput(PREFIX, suffix, files, fit=True, prompt=line), budget=budget)
+        want = llama_cpp_infill(lambda s: text_ids(b, s), t, None, PREFIX, suffix, files, line, 2048, -1, n_ctx)
+        assert ids == want and len(ids) + 64 <= n_ctx
+    typed = text_ids(b, line)
+    start = ids.index(t.pre) + 1
+    assert ids[start:ids.index(t.suf)] == text_ids(b, PREFIX) + typed
+    assert ids.index(t.mid) - ids.index(t.suf) - 1 == 2048 // 4 - 2 - len(typed)
+    # Through the Decoder, as the server asks for it
+    assert qwen.prompt_ids(PREFIX, suffix=suffix, extra=list(files), fim_budget=FimBudget.for_context(6144, 64),
+                           fim_prompt=line) == ids

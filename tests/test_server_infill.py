@@ -27,7 +27,7 @@ from test_server import ServerThread
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"
-N_CTX = 2048
+N_CTX = 4096  # llama-server's /infill budget keeps the files in n_ctx - 2048 + 2 tokens
 PREFIX = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
 PROMPT = "    for"  # the cursor's line up to the cursor, as llama.vim sends it in `prompt`
 SUFFIX = "\n    return a\n\n\nprint(fibonacci(10))\n"
@@ -165,7 +165,7 @@ def test_prefix_and_suffix_are_required_and_a_model_without_fim_tokens_is_named(
 
 def test_the_prompt_follows_the_prefix_and_samplers_choose_what_applies():
     ir = parse({"prompt": "    for", "input_extra": EXTRA})
-    assert ir.req.fim.prefix == "a    for" and ir.req.fim.suffix == "b" and ir.req.fim.extra == (("lucas.py",
+    assert ir.req.fim.prefix == "a" and ir.req.fim.prompt == "    for" and ir.req.fim.suffix == "b" and ir.req.fim.extra == (("lucas.py",
                                                                                                  EXTRA[0]["text"]),)
     assert ir.samplers == DEFAULT_SAMPLERS and ir.req.options.sampling.temperature == 0.8  # llama.cpp's defaults
     vim = parse({"samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.9}).req.options.sampling
@@ -194,22 +194,29 @@ def http(app):
         yield client
 
 
+def fim_ids(qwen):
+    """The FIM prompt /infill builds: PROMPT's tokens after PREFIX's, as llama.cpp puts them, in
+    llama-server's budget for the served context (at 2048 tokens, no room for the files)."""
+    from specdecode.backends.fim import FimBudget
+
+    return qwen.prompt_ids(PREFIX, suffix=SUFFIX, extra=[(c["filename"], c["text"]) for c in EXTRA], fim_prompt=PROMPT,
+                           fim_budget=FimBudget.for_context(qwen.target.n_ctx, 24))
+
+
 def infill(http, **body):
     body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": PROMPT, "input_extra": EXTRA, **body}
     return http.post("/infill", json=body)
 
 
 def test_greedy_infill_is_plain_decoding_of_the_same_fim_prompt(qwen, http):
-    plain = qwen.generate(PREFIX + PROMPT, suffix=SUFFIX, extra=[(c["filename"], c["text"]) for c in EXTRA],
-                          max_tokens=24, temperature=0, plain=True)
+    plain = qwen.generate(prompt_ids=fim_ids(qwen), max_tokens=24, temperature=0, plain=True)
     r0 = infill(http, n_predict=24, temperature=0, speculative={"draft": "none"})
     assert r0.status_code == 200, r0.text
     assert r0.json()["content"] == plain.text and r0.json()["timings"]["draft_n"] == 0
     r = infill(http, n_predict=24, temperature=0)  # speculation (prompt lookup)
     body = r.json()
     if body["content"] != plain.text:  # lossless but for llama.cpp's batched numerics at a near-tie
-        _, _, report = qwen.compare(PREFIX + PROMPT, suffix=SUFFIX, extra=[(c["filename"], c["text"]) for c in EXTRA],
-                                    max_tokens=24)
+        _, _, report = qwen.compare(prompt_ids=fim_ids(qwen), max_tokens=24)
         assert report["parity"]["status"] == "near-tie", report
     assert body["stop"] is True and body["model"] == QWEN
     assert body["tokens_predicted"] == plain.stats.completion_tokens
@@ -274,8 +281,7 @@ def test_llama_vscode_requests_replayed_as_its_source_builds_them(http):
 
 
 def test_t_max_predict_ms_ends_at_the_first_newline_token_once_the_scripted_clock_is_past_it(qwen, app, http):
-    full = qwen.generate(PREFIX + PROMPT, suffix=SUFFIX, extra=[(c["filename"], c["text"]) for c in EXTRA],
-                         max_tokens=24, temperature=0)
+    full = qwen.generate(prompt_ids=fim_ids(qwen), max_tokens=24, temperature=0)
     pieces = [qwen.target.token_bytes(t).decode() for t in full.token_ids]
     assert any("\n" in p for p in pieces[:-1]), full.text  # the example has a line to cut after
     app.state.infill_clock = ScriptedClock(0.0, 3600.0)  # every step an hour after the prefill

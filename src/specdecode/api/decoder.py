@@ -191,7 +191,8 @@ class Decoder:
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
                    tools: Sequence[dict] | None = None, *, suffix: str | None = None,
-                   extra: Sequence | None = None, fim_budget: FimBudget | None = None) -> list[int]:
+                   extra: Sequence | None = None, fim_budget: FimBudget | None = None,
+                   fim_prompt: str = "") -> list[int]:
         """Tokenize a raw prompt (BOS added if the model wants it) or chat messages (the
         model's own chat template). Exactly one of the two must be given. tools: OpenAI tool
         objects the chat template presents to the model (messages only; checked by the caller,
@@ -199,7 +200,8 @@ class Decoder:
         fill-in-the-middle prompt (:func:`specdecode.backends.fim.fim_prompt_ids`): the prompt is
         the code before the cursor, suffix the code after it, extra other files as (filename,
         text) pairs; the output is the middle; fim_budget trims them to fit as llama.cpp's /infill
-        does (:class:`specdecode.backends.fim.FimBudget`).
+        does (:class:`specdecode.backends.fim.FimBudget`); fim_prompt: /infill's ``prompt``, text
+        after the prefix tokenized on its own (:class:`specdecode.backends.fim.FimInput`).
         Raises SpecDecodeError naming the field at fault (see :func:`check_messages`; an empty
         prompt where the model adds no start token: param prompt; suffix where the model has no
         fill-in-the-middle tokens; extra[i] for a malformed file)."""
@@ -211,7 +213,7 @@ class Decoder:
         with self._tokenizer_lock():
             self.check_open()
             if suffix is not None or extra is not None:
-                return fim_ids(self.target, prompt, messages, suffix, extra, fim_budget)
+                return fim_ids(self.target, prompt, messages, suffix, extra, fim_budget, fim_prompt)
             return text_prompt_ids(self.target, prompt, messages, tools)
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:

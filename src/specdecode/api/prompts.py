@@ -34,15 +34,17 @@ def text_prompt_ids(target: Backend, prompt: str | None, messages: Sequence[dict
 
 
 def fim_ids(target: Backend, prompt: str | None, messages: Sequence[dict] | None, suffix: str | None,
-            extra: Sequence | None, budget: FimBudget | None = None) -> list[int]:
+            extra: Sequence | None, budget: FimBudget | None = None, typed: str = "") -> list[int]:
     """A fill-in-the-middle prompt's token ids: prompt the code before the cursor, suffix after
     it, extra other files ((filename, text) pairs or ``[{"filename", "text"}]``). Raises
     SpecDecodeError: param suffix for chat messages or a model without FIM tokens, extra[i] for a
-    malformed file. budget: trim to fit as llama.cpp's /infill does (None: keep all)."""
+    malformed file. budget: trim to fit as llama.cpp's /infill does (None: keep all); typed:
+    /infill's ``prompt`` field, after the prefix (:class:`FimInput`)."""
     if messages is not None:
         raise SpecDecodeError("suffix and extra make a fill-in-the-middle prompt from a prompt (the code before "
                               "the cursor), not from chat messages", param="suffix")
-    fim = FimInput(check_text(prompt, "prompt"), check_text(suffix or "", "suffix"), check_extra(extra))
+    fim = FimInput(check_text(prompt, "prompt"), check_text(suffix or "", "suffix"), check_extra(extra),
+                   prompt=check_text(typed, "prompt"))
     return fim_prompt_ids(target, fim, budget=budget)
 
 

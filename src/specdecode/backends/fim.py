@@ -10,7 +10,10 @@ declares them as added tokens whose texts are the same ones llama.cpp matches
 tools/server/utils.hpp, ggml-org/llama.cpp), so a model answers here as it does there:
 
     [fim_rep "myproject\\n"] ([fim_sep filename "\\n"] text)* [fim_sep "filename\\n"]
-    [BOS where the model adds one] fim_pre prefix fim_suf suffix fim_mid
+    [BOS where the model adds one] fim_pre prefix prompt fim_suf suffix fim_mid
+
+where ``prompt`` is /infill's own field (llama.vim sends the current line up to the cursor
+there), tokenized on its own and put right after the prefix's tokens, as llama.cpp does.
 
 Without fim_sep, each extra file follows a "--- snippet ---" line instead. The middle
 ends at an end-of-generation token; fim_pad, fim_rep and fim_sep count as such on both backends
@@ -42,6 +45,8 @@ REPO_NAME = "myproject"
 CURRENT_FILE = "filename"
 DEFAULT_EXTRA_FILE = "tmp"
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+# llama-server's default logical batch (``-b``), which its /infill budgets read.
+LLAMA_SERVER_N_BATCH = 2048
 
 
 @dataclass(frozen=True)
@@ -92,30 +97,40 @@ class Tokenizing(Protocol):
 class FimInput:
     """A fill-in-the-middle request: the text before the cursor (prefix), after it (suffix), and
     other files as context (extra: (filename, text) pairs, in the order given); fit: trim them to
-    the context rather than refuse a prompt too long for it (llama.cpp's /infill)."""
+    the context rather than refuse a prompt too long for it (llama.cpp's /infill). prompt:
+    /infill's ``prompt`` field, text typed after the prefix (llama.vim: the current line up to the
+    cursor), tokenized on its own after the prefix's tokens as llama.cpp does ("" for none)."""
 
     prefix: str
     suffix: str = ""
     extra: tuple[tuple[str, str], ...] = ()
     fit: bool = False  # trimmed to fit the context as llama.cpp's /infill trims it (:class:`FimBudget`)
+    prompt: str = ""
 
 
 @dataclass(frozen=True)
 class FimBudget:
-    """llama.cpp's /infill budgets (``format_infill``), which trim a FIM prompt to fit rather than
-    refuse it: the prefix keeps its last 3 n_batch / 4 tokens, the suffix its first n_batch / 4 - 2,
-    the repository context its last n_ctx - n_batch - 2 n_predict (all in tokens; the oldest
-    files go first)."""
+    """llama.cpp's /infill budgets (``format_prompt_infill`` in tools/server/server-common.cpp),
+    which trim a FIM prompt to fit rather than refuse it: the prefix keeps its last
+    3 (n_batch / 4) tokens, the suffix its first n_batch / 4 - 2 - (the prompt field's tokens),
+    the repository context its last n_ctx - n_batch - 2 n_predict (all in tokens; the oldest files
+    go first). llama-server passes its own settings there, not the request's: ``-b`` (2048) and
+    ``-n`` (-1), so the same request gives the same tokens on both servers.
+
+    reserve: tokens left free for the middle after that: where llama.cpp's budget still leaves
+    the prompt longer than n_ctx - reserve (a context under 2 n_batch), the repository context's
+    oldest tokens go first, then the prefix's (a prompt llama-server would not take whole)."""
 
     n_batch: int
     n_ctx: int
     n_predict: int
+    reserve: int = 1
 
     @classmethod
     def for_context(cls, n_ctx: int, n_predict: int) -> "FimBudget":
-        """llama.cpp's server default n_batch of 2048, at most half the context, so that the
-        prefix and suffix always leave room for the files and the middle."""
-        return cls(min(2048, n_ctx // 2), n_ctx, max(0, n_predict))
+        """llama-server's defaults (n_batch = LLAMA_SERVER_N_BATCH, n_predict = -1) in a context
+        of n_ctx tokens; the request's n_predict (tokens, <= 0: none) is kept free by ``reserve``."""
+        return cls(LLAMA_SERVER_N_BATCH, n_ctx, -1, max(1, min(n_predict, n_ctx // 4)))
 
 
 def check_extra(extra, param: str = "extra") -> tuple[tuple[str, str], ...]:
@@ -168,9 +183,13 @@ def fim_prompt_ids(backend: Tokenizing, fim: FimInput, param: str = "suffix",
     if t.sep is not None:
         ids += [t.sep, *text(CURRENT_FILE + "\n")]
     bos = backend.tokenize("", add_special=True, parse_special=False)  # [BOS] where the model adds one
-    prefix, suffix = text(fim.prefix), text(fim.suffix)
+    prefix, typed, suffix = text(fim.prefix), text(fim.prompt), text(fim.suffix)
     if budget is not None:
         prefix = prefix[max(0, len(prefix) - 3 * (budget.n_batch // 4)):]
-        suffix = suffix[:max(0, budget.n_batch // 4 - 2)]
+        suffix = suffix[:max(0, budget.n_batch // 4 - (2 + len(typed)))]
         ids = ids[max(0, len(ids) - max(0, budget.n_ctx - budget.n_batch - 2 * budget.n_predict)):]
-    return ids + bos + [t.pre, *prefix, t.suf, *suffix, t.mid]
+        over = len(ids) + len(bos) + len(prefix) + len(typed) + len(suffix) + 3 + budget.reserve - budget.n_ctx
+        if over > 0:  # a context under 2 n_batch: the oldest repository context first, then the prefix's start
+            cut = min(over, len(ids))
+            ids, prefix = ids[cut:], prefix[over - cut:]
+    return ids + bos + [t.pre, *prefix, *typed, t.suf, *suffix, t.mid]

@@ -3,8 +3,8 @@ answered from the same worker, limits, access checks and speculation as the Open
 
 The body is read as llama.cpp's server reads it (tools/server: ``handle_infill``,
 ``params_from_json_cmpl``, ``format_infill``; ggml-org/llama.cpp) into a :class:`GenRequest` of
-kind "infill" (:class:`InfillGenRequest`) whose :class:`FimInput` is ``input_prefix + prompt``
-(llama.cpp puts the prompt's tokens right after the prefix's, before the suffix),
+kind "infill" (:class:`InfillGenRequest`) whose :class:`FimInput` is ``input_prefix``, ``prompt``
+(tokenized on its own, its tokens right after the prefix's, as llama.cpp puts them),
 ``input_suffix`` and ``input_extra``'s files.
 The generation stops as llama.cpp's ``process_token`` stops it (:class:`InfillWatch`): after
 ``t_max_predict_ms`` at a token holding a newline, and before a line indented less than
@@ -195,8 +195,8 @@ def parse_infill(body: Any, model_name: str, n_ctx: int, fim_model: bool,
                        "/infill cannot complete between input_prefix and input_suffix; serve a code model trained "
                        "for it", param="input_suffix")
     prefix, suffix = _required_text(b, "input_prefix"), _required_text(b, "input_suffix")
-    fim = FimInput(prefix=prefix + (b.string("prompt") or ""), suffix=suffix,
-                   extra=parse_extra(body.get("input_extra")), fit=True)
+    fim = FimInput(prefix=prefix, suffix=suffix, extra=parse_extra(body.get("input_extra")), fit=True,
+                   prompt=b.string("prompt") or "")
     n_predict = b.integer("n_predict", -1, n_ctx, " (-1: until the middle ends or the context is full; 0: read "
                           "the prompt into the cache only; at most the context size)")
     n_predict = -1 if n_predict is None else n_predict

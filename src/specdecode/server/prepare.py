@@ -141,15 +141,15 @@ def fim_fields(fim: FimInput | None, target: Any) -> dict:
     if fim is None:
         return {}
     if not fim.suffix and not fim.extra and target.fim_tokens is None:
-        return {"prompt": fim.prefix}
-    return {"prompt": fim.prefix, "suffix": fim.suffix, "extra": fim.extra}
+        return {"prompt": fim.prefix + fim.prompt}
+    return {"prompt": fim.prefix, "suffix": fim.suffix, "extra": fim.extra, "fim_prompt": fim.prompt}
 
 
 def _text_bytes(req: GenRequest) -> int:
     """The UTF-8 bytes of a request's prompt (with a suffix and files where it has them), or of
     its messages' text."""
     if req.fim is not None:
-        return sum(len(t.encode()) for t in (req.fim.prefix, req.fim.suffix, *(t for f in req.fim.extra for t in f)))
+        return sum(len(t.encode()) for t in (req.fim.prefix, req.fim.prompt, req.fim.suffix, *(t for f in req.fim.extra for t in f)))
     if req.prompt is not None:
         return len(req.prompt.encode())
     parts = [m.get("content") for m in req.messages or ()]
