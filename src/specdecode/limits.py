@@ -70,6 +70,11 @@ MAX_PARALLEL = 15
 # MAX_STOP_STRINGS * MAX_STOP_CHARS * 4 bytes of states, built once per generation).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
+# --cache-reuse N (llama.cpp's n_cache_reuse): the shortest cached chunk shifted into place, in
+# tokens; the server's default for fill-in-the-middle is llama.cpp's FIM presets' (256). Above
+# the largest context any model serves, a chunk could never be that long.
+DEFAULT_CACHE_REUSE = 256
+MAX_CACHE_REUSE = 1 << 20
 
 BACKENDS = ("auto", "llama.cpp", "torch")
 DTYPES = ("float32", "bfloat16", "float16")

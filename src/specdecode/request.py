@@ -13,8 +13,8 @@ from typing import Any
 
 from .errors import SpecDecodeError
 from .grammar import Grammar
-from .limits import (BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, MAX_STOP_CHARS, MAX_STOP_STRINGS, check_logprobs,
-                     check_max_tree_nodes, check_num_speculative_tokens, check_text, is_int)
+from .limits import (BATCH_INVARIANCE, DEFAULT_MAX_TOKENS, MAX_CACHE_REUSE, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                     check_logprobs, check_max_tree_nodes, check_num_speculative_tokens, check_text, is_int)
 from .sampling import SamplingParams
 
 
@@ -52,6 +52,10 @@ class GenerationOptions:
         gives them all.
     trace: each streamed text delta also says which drafter each piece of its text came from
         and its step (the server's ``speculative.trace``).
+    cache_reuse: N > 0: cached chunks of at least N tokens that the prompt holds after its
+        common prefix with the slot's cache are shifted into place rather than evaluated again
+        (llama.cpp's ``--cache-reuse``, :mod:`specdecode.engine.reuse`; close to, not bitwise,
+        a fresh evaluation; never for a batch-invariant generation). 0 (default): off.
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -70,6 +74,7 @@ class GenerationOptions:
     max_tree_nodes: int | None = None
     inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     trace: bool = False
+    cache_reuse: int = 0
 
     def request_inputs(self) -> dict[str, tuple[int, ...]]:
         """Every request-fed input by field, the prediction's included."""
@@ -130,6 +135,9 @@ class GenerationOptions:
         self._check_inputs()
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft):
             raise SpecDecodeError(f"draft must be a non-empty string, got {self.draft!r}", param="draft")
+        if not is_int(self.cache_reuse) or not 0 <= self.cache_reuse <= MAX_CACHE_REUSE:
+            raise SpecDecodeError(f"cache_reuse = {self.cache_reuse!r} is out of range: expected an integer "
+                                  f"0..{MAX_CACHE_REUSE} (tokens; 0: off)", param="cache_reuse")
         for name in ("record_top2_gaps", "plain", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecodeError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)

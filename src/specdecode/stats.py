@@ -18,6 +18,8 @@ class Stats:
 
     prompt_tokens, prompt_cached: the prompt's tokens, and how many of them a slot's cache
         already held (a prefix reused, not evaluated again: an editor's next keystroke).
+    prompt_shifted: of prompt_cached, the tokens of cached chunks moved into place after the
+        common prefix (cache reuse, :mod:`specdecode.engine.reuse`; 0 without it).
     drafted: drafted tokens sent to verification.
     accepted: drafted tokens accepted (and kept: tokens cut by a stop are not counted).
     target_forward_passes: target forward calls in the decode phase (prefill excluded).
@@ -51,6 +53,7 @@ class Stats:
 
     prompt_tokens: int = 0
     prompt_cached: int = 0
+    prompt_shifted: int = 0
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -144,6 +147,7 @@ class Stats:
         return {
             "prompt_tokens": self.prompt_tokens,
             "prompt_cached": self.prompt_cached,
+            "prompt_shifted": self.prompt_shifted,
             "completion_tokens": self.completion_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,

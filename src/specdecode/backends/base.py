@@ -241,6 +241,7 @@ class BackendBase:
     context = None  # the ContextChoice a loader sized the context with (None: a backend given as it is)
     attention_note = ""
     attention_chosen = False
+    can_shift = False  # whether shift_cells can move cached positions (llama.cpp: llama_memory_can_shift)
     _n_vocab: int
     _n_ctx: int
     _kv_len: int  # sequence 0's; a multi-sequence backend overrides seq_len
@@ -329,6 +330,13 @@ class BackendBase:
 
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot run draft heads")
+
+    def shift_cells(self, seq: int, start: int, end: int, delta: int) -> None:
+        """Move sequence seq's cached positions [start, end) by delta < 0 to [start + delta,
+        end + delta), dropping what was cached at [start + delta, start) first (cache reuse:
+        :mod:`specdecode.engine.reuse`). seq_len is unchanged: the caller rolls back after the
+        last move. Only where ``can_shift``; SpecDecodeError otherwise."""
+        raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot shift its cached positions")
 
     def set_output_subset(self, ids: Sequence[int] | None) -> None:
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot restrict its output to a vocabulary subset")

@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .reuse import reuse_chunks
 from ..backends.base import Backend, SeqForward
 from ..backends.tree_shape import tree_prefix_within
 from ..control.invariance import check_strict_allowed, measure_invariant_block
@@ -162,13 +163,14 @@ class SpeculativeEngine:
             gen.drafter.configure(choice.drafting)
         if accepted is not None:
             accepted()
+        reuse = 0 if gen.invariant else options.cache_reuse  # shifted chunks are close, not bitwise
         if chunked and not gen.invariant:
-            out.stats.prompt_cached = self._start_prefill(where, gen.committed)
+            out.stats.prompt_cached, out.stats.prompt_shifted = self._start_prefill(where, gen.committed, reuse)
             gen.prefilling = True
             self._hold(where, gen)
             self.prefill(gen, 0)  # nothing left to read (a prompt cached whole): it can step at once
             return gen
-        out.stats.prompt_cached = self._prefill(where, gen.committed, gen.drafter)
+        out.stats.prompt_cached, out.stats.prompt_shifted = self._prefill(where, gen.committed, gen.drafter, reuse)
         self._hold(where, gen)
         out.decode_started = time.perf_counter()
         out.stats.prefill_s = out.decode_started - started
@@ -350,25 +352,33 @@ class SpeculativeEngine:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.target.n_ctx}: "
                 f"it must be shorter than the context to leave room for at least one new token", param="prompt")
 
-    def _prefill(self, slot: Slot, committed: list[int], drafter: Drafter) -> int:
+    def _prefill(self, slot: Slot, committed: list[int], drafter: Drafter, reuse: int = 0) -> tuple[int, int]:
         """Cache committed[:-1] in the slot's sequence (see the KV invariant), reusing the
-        longest cached prefix; a drafter that reads hidden states gets the last position's in
-        the prefill's outcome (where the backend gives it), for the first step's draft.
-        Returns the tokens reused (not evaluated again)."""
-        keep = self._start_prefill(slot, committed)
+        longest cached prefix (and with reuse N > 0, cached chunks of >= N tokens after it:
+        :mod:`.reuse`); a drafter that reads hidden states gets the last position's in the
+        prefill's outcome (where the backend gives it), for the first step's draft.
+        Returns (tokens reused, not evaluated again; of them, tokens shifted into place)."""
+        keep, shifted = self._start_prefill(slot, committed, reuse)
         slot.forget()  # until the forward succeeds
         if len(committed) - 1 > keep:
             self._read(slot.seq, committed[keep:-1], drafter, hidden_last=True)
         slot.tokens, slot.cached_len = committed, len(committed) - 1
-        return keep
+        return keep, shifted
 
-    def _start_prefill(self, slot: Slot, committed: list[int]) -> int:
-        """Roll the slot's sequence back to the prefix it shares with committed; returns its length."""
+    def _start_prefill(self, slot: Slot, committed: list[int], reuse: int = 0) -> tuple[int, int]:
+        """Roll the slot's sequence back to the prefix it shares with committed, after moving
+        cached chunks of >= reuse tokens that committed holds further along into place
+        (:func:`.reuse.reuse_chunks`; reuse 0: none). Returns (tokens of committed now cached,
+        of them shifted)."""
         keep = slot.reusable(committed)
+        cached = slot.tokens[:slot.cached_len]
         slot.forget()
+        shifted = 0
+        if reuse > 0 and keep < len(committed) - 1:
+            keep, shifted = reuse_chunks(self.target, slot.seq, cached, committed[:-1], keep, reuse)
         self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
         slot.tokens, slot.cached_len = committed, keep
-        return keep
+        return keep, shifted
 
     def _read(self, seq: int, ids: list[int], drafter: Drafter, hidden_last: bool) -> None:
         """One forward of prompt tokens ids [n] into seq, no logits; with hidden_last, a

@@ -18,6 +18,7 @@ from ..options import add_model_options, add_parallel_option, check_model_args, 
 from .config import (DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_PORT, PREDICTION_BYTES_PER_TOKEN,
                      SENDABLE_KEY, ServerOptions)
 from .config import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_UNREAD_BYTES
+from ..limits import DEFAULT_CACHE_REUSE
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The environment variable that gives the API key when --api-key does not (so that the key
@@ -244,6 +245,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                    help="seconds a request's whole body may take to arrive after its head; past them it gets 408 "
                         "and the connection is closed (default: %(default)g)")
+    s.add_argument("--cache-reuse", type=int, default=DEFAULT_CACHE_REUSE, metavar="N",
+                   help="fill-in-the-middle requests (/infill, suffix): cached chunks of at least N tokens that the "
+                        "prompt holds after its changed part are shifted into place instead of evaluated again "
+                        "(llama.cpp's option; close to, not bit for bit, a fresh evaluation); 0: off "
+                        "(default: %(default)s)")
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N replicas of this server as a Ray Serve deployment behind Ray's HTTP proxy on "
                         "--host/--port (needs pip install -e '.[ray]'; each replica loads the models and runs "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from ..errors import SpecDecodeError
-from ..limits import is_int
+from ..limits import DEFAULT_CACHE_REUSE, MAX_CACHE_REUSE, is_int
 from .access import normalize_origin
 
 # Requests that may wait for a slot (the --parallel slots run requests at once, in shared
@@ -146,6 +146,11 @@ class ServerOptions:
         ``specdecode serve`` only: Ray Serve's proxy reads the heads there.
     body_timeout: seconds a request's whole body may take to arrive after its head; past
         them it gets 408 (code body_timeout) and the connection is closed.
+    cache_reuse: fill-in-the-middle requests (``/infill``, ``suffix``) shift cached chunks of
+        at least this many tokens into place rather than evaluate them again (``serve
+        --cache-reuse N``, llama.cpp's option and meaning: :mod:`specdecode.engine.reuse`;
+        default 256, its FIM presets'); 0: off. Other requests never shift (their answers stay
+        plain decoding's, bit for bit).
 
     Raises SpecDecodeError (``param`` = the option) for a value of the wrong type or range.
     """
@@ -170,6 +175,7 @@ class ServerOptions:
     max_unread_bytes: int = DEFAULT_MAX_UNREAD_BYTES
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    cache_reuse: int = DEFAULT_CACHE_REUSE
 
     def __post_init__(self) -> None:
         for name in ("model_name", "host"):
@@ -195,6 +201,7 @@ class ServerOptions:
         _check_int("metrics_port", self.metrics_port, 1, 65535, optional=True)
         _check_int("max_prediction_tokens", self.max_prediction_tokens, 1, optional=True)
         _check_int("max_unread_bytes", self.max_unread_bytes, 1)
+        _check_int("cache_reuse", self.cache_reuse, 0, MAX_CACHE_REUSE)
         _check_seconds("header_timeout", self.header_timeout)
         _check_seconds("body_timeout", self.body_timeout)
         self._check_names()
@@ -244,7 +251,7 @@ class ServerOptions:
                        allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins),
                        max_prediction_tokens=args.max_prediction_tokens, strict=args.strict,
                        max_unread_bytes=args.max_unread_bytes, header_timeout=args.header_timeout,
-                       body_timeout=args.body_timeout)
+                       body_timeout=args.body_timeout, cache_reuse=args.cache_reuse)
         except _OptionError as e:
             raise e.as_flag() from None
 

@@ -33,11 +33,13 @@ PREPARE_THREADS = 2
 class Prepared:
     """What a request needs before its first step, made off the worker thread
     (:meth:`Worker.prepare`): the prompt's token ids [L], max_tokens per choice, and each
-    request-fed input's token ids [P] by field (the prediction's, ...)."""
+    request-fed input's token ids [P] by field (the prediction's, ...), and the cache reuse
+    it runs with (tokens: the server's ``cache_reuse`` for a fill-in-the-middle request, else 0)."""
 
     ids: list
     max_tokens: int
     inputs: dict
+    cache_reuse: int = 0
 
 
 class Preparer:
@@ -45,7 +47,8 @@ class Preparer:
     :meth:`start` and after :meth:`stop`, on the caller's (:meth:`prepare`).
 
     options: the server's; the preparer reads max_prediction_tokens (None: n_ctx, the
-    context size in tokens) and allows PREDICTION_BYTES_PER_TOKEN bytes of text per token.
+    context size in tokens) and allows PREDICTION_BYTES_PER_TOKEN bytes of text per token, and
+    cache_reuse (for fill-in-the-middle requests).
     """
 
     def __init__(self, decoder: Any, options: ServerOptions, n_ctx: int) -> None:
@@ -54,6 +57,7 @@ class Preparer:
         # The longest prediction a request may send, in tokens and in bytes of text.
         self.max_prediction_tokens = options.max_prediction_tokens or n_ctx
         self.max_prediction_bytes = PREDICTION_BYTES_PER_TOKEN * self.max_prediction_tokens
+        self.cache_reuse = options.cache_reuse
         self._preparer: ThreadPoolExecutor | None = None
         self._stopping = False
 
@@ -116,7 +120,8 @@ class Preparer:
                 check_strict_allowed(self.decoder.target)
         except (SpecDecodeError, TemplateError) as e:
             raise request_error(e, req) from None
-        return Prepared(ids, max_tokens, {name: ids for name, ids in inputs.items() if ids})
+        return Prepared(ids, max_tokens, {name: ids for name, ids in inputs.items() if ids},
+                        self.cache_reuse if req.fim is not None else 0)
 
     def _input_ids(self, name: str, text: str) -> tuple[int, ...]:
         """A request-fed input's tokens, within the prediction limits (bytes, then tokens)."""

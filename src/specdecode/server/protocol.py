@@ -89,17 +89,17 @@ class GenRequest:
         """None, or how many most likely tokens to report per emitted token."""
         return self.options.logprobs
 
-    def choice_options(self, i: int, max_tokens: int, inputs: tuple = ()) -> GenerationOptions:
+    def choice_options(self, i: int, max_tokens: int, inputs: tuple = (), cache_reuse: int = 0) -> GenerationOptions:
         """The options of choice i, generating max_tokens (as :func:`resolve_max_tokens`
         settled them), with the request-fed inputs as prepared (token ids by field) and its
         trace where it streams: with a seed, choice i draws from seed + i (modulo 2**64, the
         seed's range), so that a seeded request repeats choice by choice; without one, each
-        choice draws its own seed from the OS."""
+        choice draws its own seed from the OS. cache_reuse: as prepared (:class:`.prepare.Prepared`)."""
         seed, sampling = self.options.sampling.seed, self.options.sampling
         if seed is not None and i > 0:
             sampling = replace(sampling, seed=(seed + i) % 2**64)
         return replace(self.options, max_tokens=max_tokens, sampling=sampling, inputs=inputs or self.options.inputs,
-                       trace=self.trace and self.stream)
+                       trace=self.trace and self.stream, cache_reuse=cache_reuse)
 
 
 def _check_fields(body: dict, allowed: frozenset[str]) -> None:

@@ -259,7 +259,7 @@ class Worker:
         p = r.prepared
         # A stream opens once its first choice's options are accepted, before the prompt is read.
         opened = (lambda: r.job.post(Started(r.index))) if r.job.req.stream and r.index == 0 else None
-        r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs),
+        r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs, p.cache_reuse),
                                    accepted=opened, chunked=True)  # read by _step, a chunk at a time
         # A request kind's own stop rule (an /infill request's, :class:`.infill.InfillGenRequest`),
         # started once the prompt is read: llama.cpp times generation from there.

@@ -164,6 +164,7 @@ class LlamaCppBackend(LlamaText, BackendBase):
             self.close()
             raise ModelFileError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}{last_error()}")
         self._ctx, self._mem = ctx, self._lib.llama_get_memory(ctx)
+        self.can_shift = bool(self._lib.llama_memory_can_shift(self._mem))
         # llama.cpp rounds the context up (to a multiple of 256): the limit is the one asked for.
         self._n_ctx = min(n_ctx, int(self._lib.llama_n_ctx(ctx)) // n_seq)
         self._seq_lens = [0] * n_seq
@@ -357,6 +358,20 @@ class LlamaCppBackend(LlamaText, BackendBase):
             if not self._lib.llama_memory_seq_rm(self._mem, seq, n, -1):
                 raise SpecDecodeError(f"{self.name}: llama.cpp cannot roll back this model's cache to {n}")
             self._seq_lens[seq] = n
+
+    def shift_cells(self, seq: int, start: int, end: int, delta: int) -> None:
+        """See the contract: llama_memory_seq_rm over [start + delta, start), then
+        llama_memory_seq_add over [start, end) by delta (llama.cpp's server does the same for
+        --cache-reuse); the keys' RoPE is rotated by delta at the next forward."""
+        self._require_open()
+        self._check_seq(seq)
+        if not (self.can_shift and delta < 0 and 0 <= start + delta and start <= end <= self._seq_lens[seq]):
+            raise SpecDecodeError(f"{self.name}: cannot shift cached positions [{start}, {end}) by {delta} "
+                                  f"(sequence {seq} holds {self._seq_lens[seq]}; shifting "
+                                  f"{'supported' if self.can_shift else 'not supported by this cache'})")
+        if not self._lib.llama_memory_seq_rm(self._mem, seq, start + delta, start):
+            raise SpecDecodeError(f"{self.name}: llama.cpp cannot drop cached positions [{start + delta}, {start})")
+        self._lib.llama_memory_seq_add(self._mem, seq, start, end, delta)
 
     def _require_open(self) -> None:
         """llama.cpp aborts the process on a freed context: refuse with an error instead."""
