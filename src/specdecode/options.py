@@ -10,11 +10,13 @@ option, raised before any model is loaded.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .assembly import registry
+from .backends.llama_cpp.lib import FLASH_ATTENTION_ENV
 from .drafters.kinds import draft_help
 from .errors import SpecDecodeError
 from .limits import (BACKENDS, DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_GPU_LAYERS, check_gpu_layers, DEFAULT_SAMPLING_RULE, DEVICES, DRAFT_VOCAB_METHODS, DTYPES,
@@ -106,6 +108,10 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                         "many as fit (said in one line); a CPU-only build runs on the CPU (default: %(default)s)")
     p.add_argument("--draft-gpu-layers", "-ngld", default=DEFAULT_GPU_LAYERS, metavar="N|all|auto",
                    help="a GGUF draft model's layers on the GPU, as --gpu-layers (default: %(default)s)")
+    p.add_argument("--flash-attn", "-fa", choices=("on", "off", "auto"), default=None,
+                   help="llama.cpp's attention path for every GGUF model: on, off or auto (llama.cpp's own choice). "
+                        "Default: chosen once per model and machine on the CPU by timing both (kept for every later "
+                        "start, whatever --ctx-size and --parallel), or SPECDECODE_LLAMA_FLASH_ATTN")
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -157,7 +163,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    """Range checks that need no model (K, context size, threads); SpecDecodeError names the option."""
+    """Range checks that need no model (K, context size, threads); SpecDecodeError names the option.
+    --flash-attn, where given, is set as SPECDECODE_LLAMA_FLASH_ATTN (what the llama.cpp backend reads)."""
     if hasattr(args, "num_speculative_tokens"):
         check_num_speculative_tokens(args.num_speculative_tokens, "--num-speculative-tokens")
     if args.ctx_size is not None and args.ctx_size < MIN_N_CTX:
@@ -170,6 +177,8 @@ def check_model_args(args: argparse.Namespace) -> None:
     args.draft_gpu_layers = check_gpu_layers(args.draft_gpu_layers, "--draft-gpu-layers")
     check_tree_width(vars(args).get("tree_width", DEFAULT_TREE_WIDTH), "--tree-width")
     check_max_tree_nodes(vars(args).get("max_tree_nodes"), "--max-tree-nodes")
+    if vars(args).get("flash_attn"):  # pinned for this process and the servers it starts
+        os.environ[FLASH_ATTENTION_ENV] = args.flash_attn
 
 
 def decoder_kwargs(args: argparse.Namespace, progress: bool = True) -> dict:

@@ -1,14 +1,23 @@
-"""Which attention path llama.cpp runs, chosen by measurement (issue 47, item 3).
+"""Which attention path llama.cpp runs on the CPU, chosen once per model and machine (issues 47, 60).
 
 llama.cpp's CPU flash-attention kernel (its default, "auto") walks the KV cache once per query
-row; without it a block's rows are multiplied by the cache together. So after a long context a
-forward costs less without it, and after a short one about the same or more. Measured on an AMD
-EPYC with AVX2 only (2 vCPU, default target; docs/measured.md): T(33) 828 ms with it and 893 ms
-without after 64 tokens, 1,653 and 1,192 ms after 4,096. Users do not know to set SPECDECODE_LLAMA_FLASH_ATTN, so where it is
-unset :func:`resolve_attention` measures both paths' context costs on the loaded model
-(:func:`.context_costs.context_cost_steps`: T(n) after 64 tokens and what 1,024 and 4,096 add,
-each path's cached under its own cost key, as the controller then reads them) and keeps the path
-:func:`choose_attention` prefers.
+row; without it a block's rows are multiplied by the cache together. Which one-token step is
+cheaper depends on the CPU and the model, and the difference moves every plain step: on an AMD
+EPYC Zen 4 a choice made on a 1 ms difference of one-token steps after 64 tokens cost plain
+decoding 20% at 170-280 tokens of context (23.7 against 29-31 tokens/s, issue 60). And the path
+changes the text (greedy decoding at a near-tie), so it must not move with ``--ctx-size``,
+``--parallel`` or the day.
+
+So, where neither ``--flash-attn`` nor SPECDECODE_LLAMA_FLASH_ATTN names it,
+:func:`resolve_attention` reads the choice cached for this model file, CPU, threads and weights'
+buffers (:func:`attention_key`: not the context size, not the slots) or, the first time,
+measures it (:func:`measure_choice`): the one-token step, what every plain step pays, after
+CONTEXTS tokens (the hundreds to thousands a model serves), ROUNDS times each, both paths
+interleaved, on two scratch contexts of their own (``backend.attention_probes``: the loaded
+context is not touched, so its size does not matter). Flash attention goes off only where its
+median one-token step is at least MARGIN dearer after *every* context measured; else llama.cpp's
+own path stays (llama-server's, so that plain decoding matches it). The choice is kept for good:
+only deleting the cache file (or pinning) changes it.
 
 Without flash attention no block of two or more rows has bitwise the logits of one-token steps
 (the measured invariant block is 1; it is measured per path, the path being part of the cost
@@ -22,58 +31,140 @@ Units: seconds, tokens.
 
 from __future__ import annotations
 
+import hashlib
+import platform
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from ..backends.llama_cpp.lib import attention_requested
-from .context_costs import ContextCosts, cached_context_costs, context_cost_steps, fitting, read_cached_context_costs
+from ..files import read_cache_json, write_cache_json
 
 PATHS = ("auto", "off")  # llama.cpp's own (flash attention on the CPU), and off
-# Flash attention off is chosen where, after the longest context measured, it is at least MARGIN
-# cheaper at every size, its one-token step (what every plain step pays) costs no more on average
-# over the measured contexts (the base and each longer one, alike), and after the base context
-# that step is at most SHORT_LOSS dearer (chats). SHORT_LOSS is wider than the noise of a median
-# of three forwards: on an AMD EPYC Zen 4 the off path's T(1) after 64 tokens measured 35.6 ms
-# there and 29.5 ms in its 33-size curve (llama.cpp's own path: 32.0 and 29.8 ms), and with it off
-# plain decoding of the editor prompts ran 1.04x faster.
-MARGIN = 0.05
-SHORT_LOSS = 0.15
+# Contexts (tokens cached before the timed step) and timed one-token steps per path at each.
+CONTEXTS = (256, 1024, 2048)
+ROUNDS = 7
+# Off only where its median one-token step is at least this much cheaper after every context:
+# wider than the spread of medians of seven interleaved steps on a shared 2-vCPU machine.
+MARGIN = 0.03
+PREFILL_CHUNK = 512  # tokens a prefill forward of the scratch contexts reads
 
 
-def choose_attention(costs: dict[str, ContextCosts]) -> str:
-    """"off" or "auto" from both paths' context costs (each with ``base``): see MARGIN and
-    SHORT_LOSS. "auto" where either measured no context. The measured contexts are weighed alike:
-    where the contexts served are known to be short, SPECDECODE_LLAMA_FLASH_ATTN says so."""
-    on, off = costs["auto"], costs["off"]
-    if not (on.measured and off.measured and on.base and off.base):
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The path chosen and what it was chosen on: the median one-token step (seconds) of each
+    path after each of ``contexts`` tokens (``t1[path][i]``)."""
+
+    path: str
+    contexts: tuple[int, ...]
+    t1: dict
+
+    def note(self) -> str:
+        """"T(1) after 256/1024/2048 tokens 61/63/70 ms with flash attention, 62/66/81 ms without"."""
+        def ms(path: str) -> str:
+            return "/".join(f"{t * 1000:.0f}" for t in self.t1[path])
+        return (f"T(1) after {'/'.join(map(str, self.contexts))} tokens {ms('auto')} ms with flash attention, "
+                f"{ms('off')} ms without")
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "contexts": list(self.contexts), "t1": {p: list(v) for p, v in self.t1.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> "AttentionChoice | None":
+        """The cached choice, or None where the file holds none that is well formed."""
+        try:
+            choice = cls(str(data["path"]), tuple(int(c) for c in data["contexts"]),
+                         {p: tuple(float(t) for t in data["t1"][p]) for p in PATHS})
+        except (TypeError, KeyError, ValueError):
+            return None
+        ok = choice.path in PATHS and choice.contexts and all(len(v) == len(choice.contexts) for v in choice.t1.values())
+        return choice if ok else None
+
+
+def choose(t1: dict) -> str:
+    """"off" where its one-token step (``t1["off"][i]``) is at least MARGIN cheaper than llama.cpp's
+    own (``t1["auto"][i]``) after every context measured; else "auto". "auto" with nothing measured."""
+    on, off = t1["auto"], t1["off"]
+    if not on or len(on) != len(off):
         return "auto"
-    c = min(on.contexts[-1], off.contexts[-1])
-    cheaper = all(off.total(n, c) <= (1 - MARGIN) * on.total(n, c) for n in on.ns)
-    served = [on.base_context, *[x for x in on.contexts if x <= c]]
-    n1 = on.ns[0]  # the one-token step (the smallest size measured)
-    plain = sum(off.total(n1, x) for x in served) <= sum(on.total(n1, x) for x in served)
-    short = off.base[0] <= (1 + SHORT_LOSS) * on.base[0]
-    return "off" if cheaper and plain and short else "auto"
+    return "off" if all(b <= (1 - MARGIN) * a for a, b in zip(on, off)) else "auto"
 
 
-def note(costs: dict[str, ContextCosts]) -> str:
-    """"T(33) after 4096 tokens 1287 ms without it, 1521 ms with it; T(1) after 64 tokens 54 ms, 53 ms"."""
-    on, off = costs["auto"], costs["off"]
-    n, c = on.ns[-1], min(on.contexts[-1], off.contexts[-1])
-    return (f"T({n}) after {c} tokens {off.total(n, c) * 1000:.0f} ms without it, {on.total(n, c) * 1000:.0f} ms "
-            f"with it; T(1) after {on.base_context} tokens {off.base[0] * 1000:.0f} ms, {on.base[0] * 1000:.0f} ms")
+def attention_key(backend) -> str:
+    """What the choice depends on: the model file (path, size, time), the CPU, the threads, the
+    weights' buffers, the library; not the context size nor the sequences (``--parallel``)."""
+    parts = ["attention", type(backend).__name__, platform.machine(), str(backend.n_threads or ""),
+             backend.weights_note.split(";")[0]]
+    path = backend.path
+    if path is not None and Path(path).exists():
+        st = Path(path).stat()
+        parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    try:
+        with open("/proc/cpuinfo") as f:
+            parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
+    except OSError:
+        pass
+    try:
+        import llama_cpp
+
+        parts.append(llama_cpp.__version__)
+    except ImportError:
+        pass
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def choice_path(backend, folder: Path) -> Path:
+    """The cache file of this model's choice on this machine."""
+    return Path(folder) / "costs" / f"{attention_key(backend)}-attention.json"
+
+
+def measure_choice(backend, contexts: Sequence[int] = CONTEXTS, rounds: int = ROUNDS,
+                   timer: Callable[[], float] = time.perf_counter) -> AttentionChoice:
+    """Time both paths' one-token step after each context on scratch contexts
+    (``backend.attention_probes(PATHS, n_ctx)``: {path: a backend of one sequence}), each
+    context's rounds interleaved path by path (the order alternating), medians kept; contexts the
+    probes cannot hold are left out. timer: seconds (a test's clock)."""
+    with backend.attention_probes(PATHS, max(contexts) + 2) as probes:
+        fit = sorted(c for c in contexts if c + 2 <= min(p.n_ctx for p in probes.values()))
+        if not fit:
+            return AttentionChoice("auto", (), {p: () for p in PATHS})
+        vocab = backend.n_vocab
+        rng = np.random.default_rng(1)
+        toks = [int(t) for t in rng.integers(min(100, vocab - 1), min(vocab, 30000), size=max(fit) + 1)]
+        for probe in probes.values():
+            for start in range(0, max(fit), PREFILL_CHUNK):
+                probe.forward(toks[start:min(start + PREFILL_CHUNK, max(fit))], logits_for=[])
+        t1 = {p: [] for p in PATHS}
+        for c in sorted(fit, reverse=True):  # each probe rolled back to the next context
+            times = {p: [] for p in PATHS}
+            for p, probe in probes.items():
+                probe.rollback(c)
+                probe.forward([toks[c]], logits_for=[0])  # untimed: the first step after a rollback
+                probe.rollback(c)
+            for r in range(rounds):
+                for p in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                    t0 = timer()
+                    probes[p].forward([toks[c]], logits_for=[0])
+                    times[p].append(timer() - t0)
+                    probes[p].rollback(c)
+            for p in PATHS:
+                t1[p].insert(0, float(np.median(times[p])))
+        t1 = {p: tuple(v) for p, v in t1.items()}
+    return AttentionChoice(choose(t1), tuple(fit), t1)
 
 
 def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None = None,
                       say: Callable[[str], None] | None = None, measure: bool = True) -> None:
     """Set the attention path of a loaded llama.cpp backend (its ``use_attention``) where
-    SPECDECODE_LLAMA_FLASH_ATTN does not name it: both paths' context costs, from the cache
-    under ``folder`` or measured now (each path's cached under its cost key), and the path
-    :func:`choose_attention` prefers. A window too short for any context keeps llama.cpp's own.
-    timer: seconds (a test's clock); say: a line before measuring (default: stderr). measure
-    False (a server, which answers at once): from the cache only; where either path's costs are
-    not cached, llama.cpp's own path, and the note says so. Where layers are on a GPU
+    neither ``--flash-attn`` nor SPECDECODE_LLAMA_FLASH_ATTN names it: the choice cached for this
+    model and machine (:func:`choice_path`), or measured now and cached for good
+    (:func:`measure_choice`). timer: seconds (a test's clock); say: a line before measuring
+    (default: stderr). measure False (a server, which answers at once): from the cache only;
+    where it holds none, llama.cpp's own path, and the note says so. Where layers are on a GPU
     (``backend.placement``) nothing is measured: llama.cpp's own path (flash attention where the
     device has it) is the fast one there."""
     if attention_requested():
@@ -82,28 +173,24 @@ def resolve_attention(backend, folder: Path, timer: Callable[[], float] | None =
         backend.use_attention("auto", f"llama.cpp's own: the layers are on {backend.placement.device}, where its "
                                       "flash attention is the fast path (the CPU's measured rule does not apply)")
         return
-    if not fitting(backend)[0]:
+    cache = choice_path(backend, folder)
+    choice = AttentionChoice.from_json(read_cache_json(cache))
+    if choice is None:
+        if not measure:
+            backend.use_attention("auto", "llama.cpp's own: not measured on this machine yet (a first `specdecode "
+                                          "generate` or `bench` of this model measures it once; --flash-attn pins it)")
+            return
+        (say or _stderr)("specdecode: timing llama.cpp's attention with and without flash attention, once per model "
+                         "and machine (kept: later starts skip it)...")
+        choice = measure_choice(backend, timer=timer) if timer is not None else measure_choice(backend)
+        if choice.contexts:
+            write_cache_json(cache, choice.to_json())
+    if not choice.contexts:
+        backend.use_attention("auto", "llama.cpp's own: the model's context is too short to measure the paths")
         return
-    told = []
-
-    def tell() -> None:
-        if not told:
-            told.append(1)
-            (say or _stderr)("specdecode: timing llama.cpp's attention with and without flash attention after "
-                             "long contexts, once per model and machine (cached: later starts skip it)...")
-
-    steps = (lambda b: context_cost_steps(b, timer=timer)) if timer is not None else context_cost_steps
-    costs = {}
-    for path in PATHS:
-        backend.use_attention(path)
-        costs[path] = cached_context_costs(backend, folder, tell, steps) if measure else \
-            read_cached_context_costs(backend, folder)
-    if None in costs.values():
-        backend.use_attention("auto", "llama.cpp's own: the paths are not measured on this machine yet (a first "
-                                      "`specdecode generate` or `bench` of this model measures them)")
-        return
-    choice = choose_attention(costs)
-    backend.use_attention(choice, f"chosen by measurement: {note(costs)}", chosen=choice != "auto")
+    why = "flash attention off: its one-token step is dearer" if choice.path == "off" else "llama.cpp's own"
+    backend.use_attention(choice.path, f"chosen by measurement once for this model and machine, {why} "
+                                       f"({choice.note()}; --flash-attn pins it)", chosen=choice.path != "auto")
 
 
 def _stderr(line: str) -> None:

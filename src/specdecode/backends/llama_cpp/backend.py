@@ -8,8 +8,10 @@ Dimension letters: N = tokens in one forward, M = requested logit rows, V = voca
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -100,6 +102,7 @@ class LlamaCppBackend(LlamaText, BackendBase):
         trained, kv_bytes = int(llama_cpp.llama_model_n_ctx_train(model)), llama_kv_bytes(llama_cpp, model)
         memory, where = self._kv_memory()
         self.context = choose_context(n_ctx, trained, kv_bytes, n_seq, self.name, memory, kv_reserve, memory_label=where)
+        self._n_ctx_train = trained
         n_ctx = self.context.n_ctx
         self._n_batch = self.prefill_split = max(1, min(n_batch, n_ctx))  # (a prompt read in its multiples: the same calls)
         self._rows_max = min(self._n_batch, MAX_OUTPUT_ROWS * n_seq)
@@ -180,6 +183,34 @@ class LlamaCppBackend(LlamaText, BackendBase):
             self._open_context()
             self._embeddings = False
         self.attention_note, self.attention_chosen = note, chosen
+
+    @contextmanager
+    def attention_probes(self, modes: Sequence[str], n_ctx: int) -> Iterator[dict]:
+        """Scratch contexts over the loaded model, one per attention path in modes, each of one
+        sequence of n_ctx tokens (at most what the model was trained for), as backends of their
+        own ({mode: backend}: forward, rollback, n_ctx), for measuring the paths
+        (:mod:`specdecode.control.attention`) without touching this backend's context. Freed on
+        exit. Raises ModelFileError where llama.cpp cannot create one."""
+        self._require_open()
+        n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
+        probes: dict = {}
+        try:
+            for mode in modes:
+                ctx = self._lib.llama_init_from_model(self._model, context_params(
+                    self._lib, n_ctx, 1, self._n_batch, self._rows_max, 0, False, self.n_threads, mode))
+                if not ctx:
+                    raise ModelFileError(f"llama.cpp could not create a scratch context of {n_ctx} tokens for "
+                                         f"{self.path}{last_error()}")
+                probe = copy.copy(self)  # shares the model and the batch (used one at a time), not the context
+                probe._ctx, probe._mem, probe._flash_attention = ctx, self._lib.llama_get_memory(ctx), mode
+                probe._n_ctx, probe._seq_lens, probe._embeddings = n_ctx, [0], False
+                probe._shape = (n_ctx, 1, 0, False, self.n_threads)
+                probes[mode] = probe
+            yield probes
+        finally:
+            for probe in probes.values():
+                self._lib.llama_free(probe._ctx)
+                probe._ctx = probe._model = probe._batch = None  # its close() frees nothing of this backend's
 
     @property
     def cost_key(self) -> str:
