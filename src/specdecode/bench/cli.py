@@ -35,6 +35,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="for prompts without their own max_tokens (default: %(default)s)")
     b.add_argument("--no-peer", dest="peer", action="store_false",
                    help="skip the peers (llama-cpp-python's prompt lookup; transformers' generate)")
+    b.add_argument("--llama-server", nargs="?", const="", default=None, metavar="PATH",
+                   help="also time llama.cpp's own llama-server on every prompt, side by side (PATH: its binary; "
+                        "default: the one bash benchmarks/build_llama_server.sh builds, or $SPECDECODE_LLAMA_SERVER)")
+    b.add_argument("--llama-server-configs", default="plain,spec-default,ngram-simple,draft", metavar="LIST",
+                   help="its configurations (default: %(default)s; draft needs a draft model)")
+    b.add_argument("--llama-server-draft", default=None, metavar="NAME",
+                   help="its draft model (default: the first draft model a --config names)")
     b.add_argument("--prediction-file", metavar="PATH|-", default=None,
                    help="the predicted output of every selected prompt (replacing the suite's own): each "
                         "configuration that follows one also runs with it, as CONFIG+prediction")
@@ -72,6 +79,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         progress=not args.quiet, background_load=args.background_load,
         prediction=read_input(args.prediction_file, "--prediction-file") if args.prediction_file else None,
         max_tree_nodes=args.max_tree_nodes, tree_width=args.tree_width, vary=args.vary,
+        llama_server=args.llama_server, llama_server_configs=tuple(args.llama_server_configs.split(",")),
+        llama_server_draft=args.llama_server_draft,
     )
 
 

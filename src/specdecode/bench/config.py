@@ -48,6 +48,10 @@ class BenchConfig:
         runs with chains and, with drafters of its own, with trees of up to N nodes, as
         ``CONFIG+trees``, side by side (the target loaded to verify trees). tree_width:
         candidates per tree node.
+    llama_server: also time llama.cpp's own llama-server on every prompt (:mod:`.llama_server`):
+        its path, "" for the one built by benchmarks/build_llama_server.sh, or None (not run).
+        llama_server_configs: which of its configurations (plain, spec-default, ngram-simple,
+        draft); llama_server_draft: its draft model (None: the first a configuration names).
     vary: "SETTING=V1,V2[,...]" (:mod:`.vary`), or None: every run (plain and each
         configuration) at each value of one setting, side by side on the same prompts, the
         values interleaved prompt by prompt; rows and summaries are named "CONFIG [SETTING=V]"
@@ -81,6 +85,9 @@ class BenchConfig:
     max_tree_nodes: int | None = None
     tree_width: int = DEFAULT_TREE_WIDTH
     vary: str | None = None
+    llama_server: str | None = None
+    llama_server_configs: tuple[str, ...] = ("plain", "spec-default", "ngram-simple", "draft")
+    llama_server_draft: str | None = None
 
     def __post_init__(self) -> None:
         # Lists from callers become tuples, so configs stay immutable and comparable.
@@ -103,6 +110,12 @@ class BenchConfig:
         if self.per_category is not None and self.per_category < 1:
             raise SpecDecodeError(f"per_category = {self.per_category} is out of range: expected >= 1 or None",
                                   param="per_category")
+        object.__setattr__(self, "llama_server_configs", tuple(self.llama_server_configs))
+        from .llama_server import CONFIGS as SERVER_CONFIGS
+        bad = [c for c in self.llama_server_configs if c not in SERVER_CONFIGS]
+        if bad or not self.llama_server_configs:
+            raise SpecDecodeError(f"llama_server_configs {list(self.llama_server_configs)!r}: expected some of "
+                                  f"{', '.join(SERVER_CONFIGS)}", param="llama_server_configs")
         vary = self.parsed_vary()
         if vary is not None and vary.setting.name == "sampling_rule" and self.sampling.greedy:
             raise SpecDecodeError(f"--vary {self.vary}: the sampling rules differ only when sampling: give a "

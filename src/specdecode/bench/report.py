@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence, TextIO
 
+from .llama_server_report import print_servers, server_lines
 from .config import WITH_PREDICTION, WITH_TREES, config_of, run_label
 from .suite import CATEGORIES, parse_config
 
@@ -247,8 +248,10 @@ def write_outputs(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
     per_prompt = prompt_lines(result)
+    servers = server_lines(result)
     (out / "results.md").write_text(markdown(result["summary"], result["meta"]) + "\n".join(vary_markdown(result))
-                                    + ("\n```\n" + "\n".join(per_prompt) + "\n```\n" if per_prompt else ""))
+                                    + ("\n```\n" + "\n".join(per_prompt) + "\n```\n" if per_prompt else "")
+                                    + ("\n```" + "\n".join(servers) + "\n```\n" if servers else ""))
     result["meta"]["plots"] = plots(result["summary"], result["rows"], out)
 
 
@@ -284,6 +287,7 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
     if meta.get("skipped"):
         print(f"skipped: {meta['skipped']}", file=file)
     print_vary(result, file)
+    print_servers(result, file)
 
 
 def _num(x: float | None, unit: str = "") -> str:

@@ -23,14 +23,18 @@ configuration's draft: the speedup a perfectly informed controller would reach.
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from ..assembly import registry
 from ..assembly.loading import make_speculation
 from ..api import Decoder
 from ..backends.base import Backend
+from ..backends.fim import FimBudget
+from ..backends.llama_cpp.lib import FLASH_ATTENTION_ENV, default_threads
 from ..control.costmodel import CostCurve
 from ..control.context_costs import cached_context_costs
 from ..control.costcache import cached_forward_curve
@@ -44,6 +48,8 @@ from .config import DEFAULT_CONFIGS, WARMUP_TOKENS, WITH_PREDICTION, WITH_TREES,
 from .load import BackgroundLoad
 from .tools import cpu_name
 from .oracle import OracleResult, lookup_drafters, oracle_replay
+from .llama_server import default_binary, start_llama_servers
+from .llama_server_report import summarize_servers, time_servers
 from .peers import start_peer
 from .report import summarize
 from .runs import Variant, history_as, history_keepers, make_row, time_prompt
@@ -224,9 +230,10 @@ def _plain_vs_first(plains: list, greedy: bool, counts: dict[str, dict[str, int]
 
 
 def _time_all(config: BenchConfig, prompts: list[BenchPrompt], variants: list[Variant], ids_of, peer, assisted_peer,
-              peer_note: str | None) -> tuple[list[dict], str | None, dict]:
+              peer_note: str | None, servers: dict, server_rows: list[dict]) -> tuple[list[dict], str | None, dict]:
     """Every prompt's runs (:func:`specdecode.bench.runs.time_prompt`): the rows, the peer note
-    and the count of plain runs that equal the first variant's (by value)."""
+    and the count of plain runs that equal the first variant's (by value); each llama-server
+    configuration's run of the prompt right after specdecode's, into server_rows."""
     from tqdm import tqdm
 
     rows: list[dict] = []
@@ -252,6 +259,10 @@ def _time_all(config: BenchConfig, prompts: list[BenchPrompt], variants: list[Va
                     rows.append(make_row(p, name, r, plain, v.params.greedy, peer_rate, assisted_rate, v.label))
                     v.runs[-1][2].append(rows[-1])
             _plain_vs_first([plain for plain, _ in timed], greedy, vs_first, variants)
+            if servers:
+                done, failed = time_servers(servers, p, ids, timed[0][0].token_ids)
+                server_rows += done
+                peer_note = f"{peer_note}; {failed}" if failed and peer_note else failed or peer_note
     bar.close()
     return rows, peer_note, vs_first
 
@@ -290,9 +301,13 @@ def run_bench(config: BenchConfig) -> dict:
         first = variants[0].dec
         prompts, skipped = fim_served(prompts, first.target)
 
+        # With llama-server beside it, a fill-in-the-middle prompt is /infill's (llama-server's budgets).
+        budget = (lambda p: FimBudget.for_context(first.target.n_ctx, p.max_tokens)) if config.llama_server is not None \
+            else (lambda p: None)
+
         def ids_of(p: BenchPrompt) -> list[int]:
             if p.fim:
-                return first.prompt_ids(p.prompt, suffix=p.suffix, extra=p.extra)
+                return first.prompt_ids(p.prompt, suffix=p.suffix, extra=p.extra, fim_budget=budget(p))
             return first.prompt_ids(p.prompt, p.messages, p.tools)
 
         for v in variants:
@@ -300,7 +315,14 @@ def run_bench(config: BenchConfig) -> dict:
             _warm_up(prompts, ids_of, v)
         rss_specdecode = peak_rss_mb()  # target, drafters and caches loaded and warmed up; before the peer
         peer, peer_note, assisted_peer = _start_peers(config, first.target, variants[0].engines, prompts, ids_of)
-        rows, peer_note, vs_first = _time_all(config, prompts, variants, ids_of, peer, assisted_peer, peer_note)
+        servers, server_note = _start_servers(config, first.target)
+        server_rows: list[dict] = []
+        try:
+            rows, peer_note, vs_first = _time_all(config, prompts, variants, ids_of, peer, assisted_peer, peer_note,
+                                                  servers, server_rows)
+        finally:
+            for s in servers.values():
+                s.close()
         rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
         del peer
         target = first.target
@@ -324,8 +346,23 @@ def run_bench(config: BenchConfig) -> dict:
                               getattr(variants[0].context_costs, "contexts", ())} if curve is not None else {},
             "background_load": config.background_load, "skipped": skipped,
             "oracle_drafters": {d: [x.name for x in ds] for d, ds in variants[0].oracle_drafters.items()},
-            "vary": _vary_meta(config, variants, vs_first)}
-    return {"meta": meta, "summary": summarize(rows, names), "rows": rows}
+            "vary": _vary_meta(config, variants, vs_first), "llama_server": server_note}
+    result = {"meta": meta, "summary": summarize(rows, names), "rows": rows}
+    if server_rows:
+        result["llama_server"] = summarize_servers(rows, server_rows, names)
+        result["llama_server_rows"] = server_rows
+    return result
+
+
+def _start_servers(config: BenchConfig, target: Backend) -> tuple[dict, str | None]:
+    """llama-server's configurations (:mod:`.llama_server`) where asked for: ({config: server}, note)."""
+    if config.llama_server is None:
+        return {}, None
+    draft = config.llama_server_draft or next((d for d, _ in config.parsed_configs() if d in registry.REGISTRY
+                                               or d.endswith(".gguf")), None)
+    binary = Path(config.llama_server).expanduser() if config.llama_server else default_binary()
+    return start_llama_servers(binary, target.path, draft, target.n_ctx, target.n_threads or default_threads(),
+                               config.llama_server_configs, os.environ.get(FLASH_ATTENTION_ENV) or None)
 
 
 def fim_served(prompts: list[BenchPrompt], target: Backend) -> tuple[list[BenchPrompt], str | None]:

@@ -151,7 +151,7 @@ def make_row(p: BenchPrompt, name: str, result: GenerationResult, plain: Generat
     the last token, the time to the whole answer (a completion's whole middle) that the user
     waits beyond the prompt; plain_completion_tokens: the plain answer's length (it differs where a
     near-tie sent greedy decoding another way); prompt_cached: the prompt's tokens a slot's cache
-    already held)."""
+    already held; prefill_s, plain_prefill_s: seconds reading the prompt)."""
     s = result.stats
     return {
         "id": p.id, "category": p.category, "config": name, "vary": vary or None, "grammar": p.grammar is not None,
@@ -161,6 +161,7 @@ def make_row(p: BenchPrompt, name: str, result: GenerationResult, plain: Generat
         "spec_tokens_per_s": decode_rate(s.completion_tokens, s.first_token_s, s.prefill_s + s.decode_s),
         "plain_tokens_per_s": plain_rate(plain),
         "decode_s": s.decode_s, "plain_decode_s": plain.stats.decode_s, "prompt_cached": s.prompt_cached,
+        "prefill_s": s.prefill_s, "plain_prefill_s": plain.stats.prefill_s,
         "drafted": s.drafted, "accepted": s.accepted, "target_forward_passes": s.target_forward_passes,
         "accepted_per_position": s.accepted_per_position, "drafted_per_position": s.drafted_per_position,
         "k_histogram": {str(k): v for k, v in s.k_histogram.items()},
