@@ -292,3 +292,71 @@ def test_a_long_cached_prompt_is_kept_for_the_next_turn(cache):
             if reused:
                 assert len(parts) == done  # nothing measured between the turns
         dec.close()
+
+
+class TwinnedBytes(ClockedBytes):
+    """:class:`ClockedBytes` that makes scratch twins, as the llama.cpp backend does: a byte model
+    of its own cache whose forwards advance the owner's clock and count in ``twin_forwards``."""
+
+    def __init__(self, owner: "TwinnedBytes | None" = None) -> None:
+        super().__init__()
+        self.owner, self.twins, self.closed, self.twin_forwards = owner, [], False, 0
+
+    def forward(self, token_ids, logits_for, seq=0):
+        if self.owner is None:
+            return super().forward(token_ids, logits_for, seq)
+        self.owner.now += scripted_t(len(token_ids))
+        self.owner.twin_forwards += 1
+        return ByteBackend.forward(self, token_ids, logits_for, seq)
+
+    def scratch_twin(self, n_ctx, n_seq=None, mode=None):
+        twin = TwinnedBytes(owner=self)
+        twin.name = self.name  # what it measures is cached under the target's key
+        self.twins.append(twin)
+        return twin
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_measuring_on_a_scratch_twin_keeps_an_editors_cached_prompt(cache):
+    """A fresh server measures between requests; on a backend that makes a scratch twin (llama.cpp:
+    a KV cache of its own) the parts never touch the slot, so an editor's next keystroke reuses
+    its prompt while the measurement goes on (issue 60: on a server just started, a keystroke read
+    all 152 of its 152 tokens again). Negative control: a backend without a twin forgets the slot
+    at every part. Once everything is measured the twin is closed."""
+    prompt = "def area(radius):\n    return 3.14159 * radius * radius\n" * 3
+    for twinned in (True, False):
+        target = TwinnedBytes() if twinned else ClockedBytes()
+        target.name = f"bytes, twinned {twinned}"
+        dec = background_decoder(target)
+        cal = dec.calibration
+        assert cal.pending
+        allowed = [0]  # parts the worker may run now
+        run_one = cal.run_one
+
+        def gated() -> None:
+            if allowed[0] > 0:
+                allowed[0] -= 1
+                run_one()
+            else:
+                time.sleep(0.001)
+
+        cal.run_one = gated
+        with ServerThread(create_app(dec)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            body = {"model": target.name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            done, allowed[0] = cal.parts, 3  # three parts between the two keystrokes
+            deadline = time.monotonic() + 60
+            while cal.parts < done + 3:
+                assert time.monotonic() < deadline, "the worker never measured"
+                time.sleep(0.01)
+            r = http.post("/v1/completions", json={**body, "prompt": prompt + "x"}).json()
+            cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert (cached == len(prompt)) if twinned else cached == 0, (twinned, cached)
+            allowed[0] = 1 << 30
+            settle(cal)
+        if twinned:
+            assert len(target.twins) == 1 and target.twins[0].closed and target.twin_forwards > 100
+            assert costcache.cost_cache_path(target, cal.cache_dir).exists()
+        dec.close()

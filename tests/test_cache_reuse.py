@@ -6,13 +6,13 @@ session through ``POST /infill``: keystrokes, a cursor moving down, a ring updat
 from __future__ import annotations
 
 import inspect
-import json
 import textwrap
 
 import httpx
 import pytest
 
 from specdecode.api import Decoder
+from specdecode.bench.vim_session import session
 from specdecode.backends.sharing import common_prefix_len
 from specdecode.engine.reuse import Chunk, plan_reuse
 from specdecode.errors import SpecDecodeError
@@ -130,26 +130,6 @@ def test_a_strict_generation_never_shifts():
 FILE = inspect.getsource(textwrap).splitlines()[:80]
 CURSOR = 40  # the line typed, 0-based
 TYPED = "    width = 70"  # typed one character at a time after the line's own text is cleared
-N_PREFIX, N_SUFFIX = 256, 64  # llama.vim's defaults (lines)
-
-
-def vim_request(line: int, typed: str, lines: list[str], ring: list[dict], n_predict: int = 8) -> dict:
-    """The body llama.vim's ``llama#fim`` sends with the cursor at the end of ``typed`` on
-    ``line``: the lines above as input_prefix, the current line up to the cursor as prompt, the
-    rest of it and the lines below as input_suffix, the ring's chunks as input_extra."""
-    prefix = "\n".join(lines[max(0, line - N_PREFIX):line]) + "\n"
-    suffix = lines[line][len(typed):] + "\n" + "\n".join(lines[line + 1:line + 1 + N_SUFFIX]) + "\n"
-    return {"input_prefix": prefix, "input_suffix": suffix, "prompt": typed, "input_extra": ring,
-            "n_predict": n_predict, "top_k": 40, "top_p": 0.9, "samplers": ["top_k", "top_p", "infill"],
-            "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
-            "temperature": 0}
-
-
-def ring_update(ring: list[dict]) -> dict:
-    """The body llama.vim's ``s:ring_update`` sends to cache the ring's chunks (n_predict 0)."""
-    return {"input_prefix": "", "input_suffix": "", "prompt": "", "input_extra": ring, "n_predict": 0,
-            "temperature": 0.0, "samplers": ["temperature"], "stream": False, "cache_prompt": True,
-            "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""]}
 
 
 def _ring_chunk(i: int) -> dict:
@@ -158,64 +138,49 @@ def _ring_chunk(i: int) -> dict:
 
 
 def test_a_llama_vim_session_re_evaluates_the_line_the_suffix_and_one_chunk_at_most():
-    """Ten keystrokes on an 80-line file with three chunks in the ring: each request evaluates
-    at most the current line, the suffix and the FIM tokens (and, after the ring dropped its
-    oldest chunk for a new one, that chunk); the ring's other chunks are shifted, not
-    evaluated. Counted on the fake (tokens are bytes: a text's tokens are its UTF-8 bytes)."""
+    """Ten keystrokes on an 80-line file with three chunks in the ring: each keystroke evaluates
+    the current line, the suffix (as /infill's budget keeps it) and the FIM tokens, nothing more;
+    the ring update evaluates its new chunk and shifts the two it kept; Enter shifts the prefix's
+    window. Counted on the fake (a text's tokens are its UTF-8 bytes)."""
     backend = ShiftingFimBytes()
     dec = Decoder(target=backend, draft="none", n_ctx=32768, progress=False)
-    lines = list(FILE)
-    lines[CURSOR] = ""
-    ring = [_ring_chunk(i) for i in range(3)]
     log = []
+
+    def line_and_suffix(body: dict) -> int:
+        """The typed text, the suffix as /infill's budget keeps it (2048 / 4 - 2 - typed), fim_suf and fim_mid."""
+        typed = len(body["prompt"].encode())
+        return typed + min(len(body["input_suffix"].encode()), 2048 // 4 - 2 - typed) + 2
+
     try:
         with ServerThread(create_app(dec, options=ServerOptions(cache_reuse=64), max_queue=4)) as s, \
                 httpx.Client(base_url=s.url, timeout=60) as http:
-            def send(body: dict, what: str, bound: int) -> None:
+            steps = session(FILE, CURSOR, TYPED, [_ring_chunk(i) for i in range(3)], _ring_chunk(3))
+            for what, body in steps:
                 before = (backend.evaluated[0], backend.shifted[0])
                 r = http.post("/infill", json=body)
                 assert r.status_code == 200, r.text
-                t = r.json()["timings"] if body["n_predict"] else None
-                # what the prompt evaluated: the forwards less the steps' (one token each, draft none)
-                stepped = r.json().get("tokens_predicted", 0) if body["n_predict"] else 0
-                evaluated = backend.evaluated[0] - before[0] - stepped
-                log.append((what, evaluated, backend.shifted[0] - before[1], bound, t and t["prompt_n"]))
-                assert evaluated <= bound, log[-1]
-
-            def line_and_suffix(body: dict) -> int:
-                """The tokens after the cursor's line starts: the typed text, the suffix as
-                /infill's budget keeps it (2048 / 4 - 2 - typed), fim_suf and fim_mid."""
-                typed = len(body["prompt"].encode())
-                return typed + min(len(body["input_suffix"].encode()), 2048 // 4 - 2 - typed) + 2
-
-            send(vim_request(CURSOR, "", lines, ring), "first", 1 << 20)
-            for k in range(1, 8):  # keystrokes 1-7: the line grows; prefix and ring unchanged
-                body = vim_request(CURSOR, TYPED[:k], lines, ring)
-                send(body, f"key {k}", line_and_suffix(body))
-            # Back in normal mode, the ring drops its oldest chunk for a new one (ring_n_chunks
-            # reached) and llama.vim sends it alone: the two kept are shifted, the new one read.
-            ring = ring[1:] + [_ring_chunk(3)]
-            new_chunk = 1 + len(f"{ring[-1]['filename']}\n{ring[-1]['text']}".encode())  # fim_sep name text
-            send(ring_update(ring), "ring update", new_chunk + 1 + len(b"filename\n") + 3)  # sep, pre, suf, mid
-            assert log[-1][2] >= sum(len(c["text"].encode()) for c in ring[:-1])
-            # That request held no prefix: the next keystroke reads it again (llama-server's
-            # cache reuse does the same), the two after only the line and the suffix.
-            for k in (8, 9, 10):
-                body = vim_request(CURSOR, TYPED[:k], lines, ring)
-                prefix = min(len(body["input_prefix"].encode()), 3 * (2048 // 4)) + 1 if k == 8 else 0
-                send(body, f"key {k}", prefix + line_and_suffix(body))
-            # Enter: the cursor on the next line. /infill keeps the prefix's last 1,536 tokens, so
-            # the window moved by the line typed: the prefix is shifted, the new line read.
-            lines[CURSOR] = TYPED
-            body = vim_request(CURSOR + 1, "", lines, ring)
-            send(body, "next line", len(TYPED.encode()) + 1 + line_and_suffix(body))
-            assert log[-1][2] >= 3 * (2048 // 4) - len(TYPED) - 1
+                stepped = r.json().get("tokens_predicted", 0) if body["n_predict"] else 0  # one token a step
+                prompt_n = r.json()["timings"]["prompt_n"] if body["n_predict"] else None
+                log.append((what, backend.evaluated[0] - before[0] - stepped, backend.shifted[0] - before[1],
+                            prompt_n, body))
     finally:
         dec.close()
-    keys = [entry for entry in log if entry[0].startswith("key")]
-    assert len(keys) == 10 and all(shifted == 0 for _, _, shifted, *_ in keys)
+    keys = [x for x in log if x[0].startswith("key")]
+    assert len(keys) == 10 and all(shifted == 0 for _, _, shifted, _, _ in keys)
+    for what, evaluated, shifted, _, body in log[1:]:
+        if what == "ring update":  # the new chunk (fim_sep, its name, its text), then the FIM frame
+            new = body["input_extra"][-1]
+            assert evaluated <= 1 + len(f"{new['filename']}\n{new['text']}".encode()) + 1 + len(b"filename\n") + 3
+            assert shifted >= sum(len(c["text"].encode()) for c in body["input_extra"][:-1])
+        elif what == "key 8":  # the ring update held no prefix: it is read again (llama-server's reuse too)
+            assert evaluated <= min(len(body["input_prefix"].encode()), 3 * (2048 // 4)) + 1 + line_and_suffix(body)
+        elif what == "next line":  # the prefix keeps its last 1,536 tokens: the window moved by a line
+            assert evaluated <= len(TYPED[:10]) + 1 + line_and_suffix(body)
+            assert shifted >= 3 * (2048 // 4) - len(TYPED) - 1
+        else:
+            assert evaluated <= line_and_suffix(body), (what, evaluated)
     # timings.prompt_n says what was evaluated: the forwards less the last prompt token's
-    assert all(prompt_n == evaluated + 1 for _, evaluated, _, _, prompt_n in log if prompt_n is not None)
+    assert all(prompt_n == evaluated + 1 for _, evaluated, _, prompt_n, _ in log if prompt_n is not None)
 
 
 def test_llama_cpp_shifts_its_cache_and_the_next_token_is_the_fresh_evaluations():

@@ -331,6 +331,12 @@ class BackendBase:
     def make_heads(self, weight: np.ndarray, bias: np.ndarray, vocab_subset: np.ndarray):
         raise SpecDecodeError(f"{self.name} on {type(self).__name__} cannot run draft heads")
 
+    def scratch_twin(self, n_ctx: int, n_seq: int | None = None, mode: str | None = None) -> "Backend | None":
+        """A backend over the same model with a KV cache of its own, for measuring without touching
+        this one's sequences (llama.cpp: :func:`.llama_cpp.scratch.scratch_twin`); None where the
+        backend makes none (the measurement then runs on it)."""
+        return None
+
     def shift_cells(self, seq: int, start: int, end: int, delta: int) -> None:
         """Move sequence seq's cached positions [start, end) by delta < 0 to [start + delta,
         end + delta), dropping what was cached at [start + delta, start) first (cache reuse:

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Sequence
 
 from ..backends.base import Backend
-from .context_costs import (ContextCosts, cached_context_costs_steps, context_cost_steps, fitting,
-                            read_cached_context_costs)
+from ..errors import SpecDecodeError
+from ..limits import MAX_NUM_SPECULATIVE_TOKENS
+from .context_costs import (BASE_CONTEXT, CONTEXTS, ContextCosts, cached_context_costs_steps, context_cost_steps,
+                            fitting, read_cached_context_costs)
 from .costcache import cached_measurement_steps, read_cached
 from .costmodel import CostCurve, ObservedCurve
 from .invariance import invariant_steps, read_invariant_block, write_invariant_block
@@ -45,6 +47,8 @@ from .sources import SharedCosts
 # many cached tokens: a fraction of a second on the slowest machine measured.
 CONSERVATIVE_ROUNDS = 3
 CONSERVATIVE_CONTEXT = 8
+# The scratch twin's cells: the longest context costs measure, the largest block after it, slack.
+SCRATCH_N_CTX = BASE_CONTEXT + max(CONTEXTS) + MAX_NUM_SPECULATIVE_TOKENS + 1 + 64
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Calibration:
         self._jobs: list[_Job] = []
         self._touched = True  # a generation may have used the target's sequences since the last part
         self._engine: Any = None
+        self._scratch: Any = None  # the target's scratch twin while measuring (:meth:`_measured`)
         self._report: Callable[[str], None] = lambda note: None
         self._note = ""
         self.invariant_block = read_invariant_block(target, self.cache_dir)  # None: not known yet
@@ -121,7 +126,7 @@ class Calibration:
                        "to judge it)" if kept else "specdecode: the cost curve is measured: the controller plans "
                        "with it from now on")
 
-        steps = cached_measurement_steps(self.target, ns, self.cache_dir, measure=self._measure_steps)
+        steps = cached_measurement_steps(self._measured(), ns, self.cache_dir, measure=self._measure_steps)
         self._jobs.append(_Job("cost curve", steps, done))
         self._context_costs(shared)
         return shared
@@ -130,7 +135,8 @@ class Calibration:
         """Plan at each request's context: with the cached context costs, or once they are
         measured (a job after the curve's; nothing where the window is too short for them)."""
         cached = read_cached_context_costs(self.target, self.cache_dir)
-        if cached is not None or not fitting(self.target)[0]:
+        if cached is not None or not fitting(self._measured())[0]:
+            self._release_if_idle()
             shared.set_context_costs(cached)
             self._note = "; ".join(x for x in (self._note, shared.context_note()) if x)
             return
@@ -142,7 +148,7 @@ class Calibration:
             self._tell("specdecode: what a long context adds to a forward is measured: steps are planned at their "
                        "request's context from now on")
 
-        steps = cached_context_costs_steps(self.target, self.cache_dir,
+        steps = cached_context_costs_steps(self._measured(), self.cache_dir,
                                            measure=lambda b: context_cost_steps(b, timer=lambda: self.timer()))
         self._jobs.append(_Job("context costs", steps, done))
 
@@ -194,12 +200,13 @@ class Calibration:
         if not self._jobs:
             return
         job = self._jobs[0]
+        private = self._scratch is not None  # a context of its own: the slots' caches are not touched
         try:
-            if self._engine is not None:
+            if self._engine is not None and not private:
                 self._engine.forget_prefix()  # the parts overwrite what the slots cached
                 self._engine.forwards.set_invariant(False)  # and time the fast mode; invariance sets its own
             try:
-                job.steps.send(self._touched if job.started else None)
+                job.steps.send((self._touched and not private) if job.started else None)
                 job.started = True
             except StopIteration as stop:
                 job.done(stop.value)
@@ -212,6 +219,25 @@ class Calibration:
         finally:
             self._touched = False
             self.parts += 1
+            self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to measure, the scratch twin's memory back."""
+        if not self._jobs and self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
+
+    def _measured(self) -> Backend:
+        """What the parts measure: a scratch twin of the target (a KV cache of its own, so that an
+        editor's cached prompt survives a fresh server's measuring; ``scratch_twin``) where the
+        backend makes one, else the target itself (each part then makes the engine forget its
+        slots' caches)."""
+        if self._scratch is None and not self._jobs:
+            try:
+                self._scratch = self.target.scratch_twin(SCRATCH_N_CTX)
+            except SpecDecodeError:  # no memory for it: measure on the target, as before
+                self._scratch = None
+        return self._scratch if self._scratch is not None else self.target
 
     def _measure_steps(self, backend: Backend, ns: Sequence[int], **kw) -> Generator[None, "bool | None", Measurement]:
         return curve_steps(backend, ns, timer=lambda: self.timer(), cpu_times=lambda: self._cpu(), **kw)
@@ -237,7 +263,7 @@ class Calibration:
             self._tell(f"specdecode: the invariant block is measured ({block} token{'s' if block > 1 else ''}): "
                        "strict requests verify in blocks of that size from now on")
 
-        self._jobs.append(_Job("invariant block", invariant_steps(self.target, 0), done))
+        self._jobs.append(_Job("invariant block", invariant_steps(self._measured(), 0), done))
         self._tell("specdecode: the invariant block is measured between requests; strict and seeded requests run "
                    "plain one-token steps until then (exactly strict)")
 

@@ -8,10 +8,8 @@ Dimension letters: N = tokens in one forward, M = requested logit rows, V = voca
 
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Collection, Iterator, Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -25,6 +23,7 @@ from .text import LlamaText
 from .vocab import read_eog, read_fim_tokens
 from .buffers import load_model
 from .offload import COMPUTE_RESERVE, ModelLayout, list_devices, model_layout, offload_devices, plan_offload
+from .scratch import attention_probes, scratch_twin
 from .lib import context_params, default_threads, flash_attention, init_llama, last_error
 
 MAX_OUTPUT_ROWS = 64  # most logit rows one sequence may ask of one forward
@@ -184,33 +183,13 @@ class LlamaCppBackend(LlamaText, BackendBase):
             self._embeddings = False
         self.attention_note, self.attention_chosen = note, chosen
 
-    @contextmanager
-    def attention_probes(self, modes: Sequence[str], n_ctx: int) -> Iterator[dict]:
-        """Scratch contexts over the loaded model, one per attention path in modes, each of one
-        sequence of n_ctx tokens (at most what the model was trained for), as backends of their
-        own ({mode: backend}: forward, rollback, n_ctx), for measuring the paths
-        (:mod:`specdecode.control.attention`) without touching this backend's context. Freed on
-        exit. Raises ModelFileError where llama.cpp cannot create one."""
-        self._require_open()
-        n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
-        probes: dict = {}
-        try:
-            for mode in modes:
-                ctx = self._lib.llama_init_from_model(self._model, context_params(
-                    self._lib, n_ctx, 1, self._n_batch, self._rows_max, 0, False, self.n_threads, mode))
-                if not ctx:
-                    raise ModelFileError(f"llama.cpp could not create a scratch context of {n_ctx} tokens for "
-                                         f"{self.path}{last_error()}")
-                probe = copy.copy(self)  # shares the model and the batch (used one at a time), not the context
-                probe._ctx, probe._mem, probe._flash_attention = ctx, self._lib.llama_get_memory(ctx), mode
-                probe._n_ctx, probe._seq_lens, probe._embeddings = n_ctx, [0], False
-                probe._shape = (n_ctx, 1, 0, False, self.n_threads)
-                probes[mode] = probe
-            yield probes
-        finally:
-            for probe in probes.values():
-                self._lib.llama_free(probe._ctx)
-                probe._ctx = probe._model = probe._batch = None  # its close() frees nothing of this backend's
+    def attention_probes(self, modes: Sequence[str], n_ctx: int):
+        """Scratch backends over this model, one per attention path (:func:`.scratch.attention_probes`)."""
+        return attention_probes(self, modes, n_ctx)
+
+    def scratch_twin(self, n_ctx: int, n_seq: int | None = None, mode: str | None = None) -> "LlamaCppBackend":
+        """A backend over this model with a context of its own (:func:`.scratch.scratch_twin`)."""
+        return scratch_twin(self, n_ctx, n_seq, mode)
 
     @property
     def cost_key(self) -> str:
@@ -412,6 +391,11 @@ class LlamaCppBackend(LlamaText, BackendBase):
     def close(self) -> None:
         lib = getattr(self, "_lib", None)
         if lib is None:
+            return
+        if getattr(self, "_twin", False):  # a scratch twin: its context only, never the shared model
+            if getattr(self, "_ctx", None):
+                lib.llama_free(self._ctx)
+            self._ctx = self._model = self._batch = None
             return
         for attr, free in (("_batch", lib.llama_batch_free), ("_ctx", lib.llama_free), ("_model", lib.llama_model_free)):
             if getattr(self, attr):
