@@ -156,3 +156,19 @@ def test_the_ratios_are_the_summed_times_and_the_median_rates():
     assert e["plain_decode"] == 2.0 and e["plain_prompt"] == pytest.approx(100 / 202, abs=1e-3)  # (101 - 1) / 1 s vs 101 / 0.5 s
     # llama-server's 20 tokens in 4 s, scaled to 40: 0.5 + 8 = 8.5 s; specdecode plain 3 s, x 2 s
     assert e["vs_best"] == {"plain": pytest.approx(8.5 / 3, rel=1e-3), "x": 4.25} and e["best"]["x"] == "plain"
+
+
+def test_bench_serve_names_a_missing_llama_server(tmp_path):
+    from specdecode.bench.cli import add_bench_serve_parser
+    from specdecode.bench.serve import ServeBenchConfig, run_serve_bench
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench-serve", "--llama-server", str(tmp_path / "nowhere")])
+    assert args.llama_server == str(tmp_path / "nowhere")
+    assert parser.parse_args(["bench-serve", "--llama-server"]).llama_server == ""
+    with pytest.raises(SpecDecodeError) as e:
+        run_serve_bench(ServeBenchConfig(llama_server=str(tmp_path / "nowhere"), slots=(1,), progress=False,
+                                         categories=("code_editing",), per_category=1))
+    assert e.value.param == "--llama-server" and "nowhere" in str(e.value)

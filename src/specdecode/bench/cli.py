@@ -136,6 +136,9 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="while the clients run, one more sends prompts of about TOKENS tokens, one after another "
                         "(a file, an agent's tool outputs): the clients' inter-token gaps show what a long prefill "
                         "costs them; reported on rows of their own (default: 0, none)")
+    b.add_argument("--llama-server", nargs="?", const="", default=None, metavar="PATH",
+                   help="also load llama.cpp's own llama-server (plain, --parallel slots) with the same clients "
+                        "(PATH: its binary; default: the one bash benchmarks/build_llama_server.sh builds)")
     _add_output_options(b, "serve_results", cmd_bench_serve)
     return b
 
@@ -154,7 +157,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         requests=args.requests, prompts=args.prompts,
         categories=tuple(args.categories.split(",")) if args.categories else SERVE_CATEGORIES,
         per_category=args.per_category, max_tokens=args.max_tokens, long_prompt_tokens=args.long_prompts,
-        progress=not args.quiet,
+        progress=not args.quiet, llama_server=args.llama_server,
         extra=dict(backend=args.backend, draft_backend=args.draft_backend, dtype=args.dtype, device=args.device,
                    draft_vocab=args.draft_vocab, gpu_layers=args.gpu_layers, draft_gpu_layers=args.draft_gpu_layers))
     return _report(args, run_serve_bench(cfg), write_serve_outputs, print_serve_table)

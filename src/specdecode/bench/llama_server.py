@@ -101,18 +101,19 @@ class LlamaServer:
     (or use it as a context manager) to stop the process.
 
     binary: the llama-server executable. model: the target's GGUF. n_ctx, n_threads: as the
-    bench's target. extra: the configuration's arguments (:func:`config_args`).
+    bench's target (n_ctx per slot: llama-server divides -c among its slots). extra: the
+    configuration's arguments (:func:`config_args`). slots: -np.
     Raises RuntimeError naming the binary and the last lines of its log where it does not
     start within START_TIMEOUT_S seconds."""
 
     def __init__(self, binary: Path, model: Path, n_ctx: int, n_threads: int, extra: Sequence[str] = (),
-                 flash_attn: str | None = None) -> None:
+                 flash_attn: str | None = None, slots: int = 1) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
-        cmd = [str(binary), "-m", str(model), "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads),
-               "-np", "1", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *extra]
+        cmd = [str(binary), "-m", str(model), "-c", str(n_ctx * slots), "-t", str(n_threads), "-tb", str(n_threads),
+               "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *extra]
         if flash_attn:
             cmd += ["-fa", flash_attn]
         self.cmd = cmd

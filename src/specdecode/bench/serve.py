@@ -64,6 +64,7 @@ class ServeBenchConfig:
     long_prompt_tokens: int = 0  # > 0: one more client sends prompts of about this many tokens meanwhile
     progress: bool = True
     extra: dict = field(default_factory=dict)  # further Decoder options for self-started servers
+    llama_server: str | None = None  # also load llama.cpp's own llama-server (its path; "": the built one)
 
 
 def check_config(cfg: ServeBenchConfig) -> None:
@@ -297,6 +298,37 @@ class _Server:
         self.decoder.close()
 
 
+def _llama_server_binary(cfg: ServeBenchConfig):
+    """The llama-server binary --llama-server names (or the built one). Raises SpecDecodeError
+    naming the option where there is none."""
+    from pathlib import Path
+
+    from .llama_server import default_binary
+
+    binary = Path(cfg.llama_server).expanduser() if cfg.llama_server else default_binary()
+    if binary is None or not binary.exists():
+        raise SpecDecodeError(f"--llama-server: no llama-server binary at {binary} (bash "
+                              "benchmarks/build_llama_server.sh builds one)", param="--llama-server")
+    return binary
+
+
+def _llama_server(cfg: ServeBenchConfig, slots: int):
+    """llama.cpp's llama-server (plain) with ``slots`` slots on the target's GGUF, the bench's
+    context per slot and threads (:class:`.llama_server.LlamaServer`). Raises SpecDecodeError
+    naming --llama-server where it cannot start."""
+    from pathlib import Path
+
+    from ..assembly import registry
+    from ..backends.llama_cpp.lib import default_threads
+    from .llama_server import LlamaServer
+
+    try:
+        return LlamaServer(_llama_server_binary(cfg), registry.resolve(cfg.target), cfg.n_ctx or 4096, cfg.n_threads or default_threads(),
+                           slots=slots)
+    except (RuntimeError, OSError) as e:
+        raise SpecDecodeError(f"--llama-server could not start: {e}", param="--llama-server") from None
+
+
 def _model_id(url: str, api_key: str | None) -> str:
     import httpx
 
@@ -316,6 +348,8 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
     from tqdm import tqdm
 
     check_config(cfg)
+    if cfg.llama_server is not None and not cfg.url:
+        _llama_server_binary(cfg)  # named before any model loads
     prompts = select_prompts(load_prompts(cfg.prompts), cfg.categories, cfg.per_category)
     if any(p.extra for p in prompts):  # /v1/completions has no field for other files: not sent without them
         print(f"bench-serve: {sum(bool(p.extra) for p in prompts)} fill-in-the-middle prompt(s) with extra files "
@@ -329,11 +363,17 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
                               "prompts": len(prompts), "servers": {}, "records": {}}
     targets: list[tuple[str, int | None]] = [("server", None)] if cfg.url else \
         [(f"{s} slot{'s' if s > 1 else ''}", s) for s in sorted(set(cfg.slots))]
+    peer = max(cfg.slots) if cfg.llama_server is not None and not cfg.url else None
+    if peer is not None:
+        targets.append((f"llama-server, {peer} slot{'s' if peer > 1 else ''}", -peer))  # -N: llama-server's N slots
     bar = tqdm(total=len(targets) * len(levels), desc="bench-serve", disable=not cfg.progress)
     for label, slots in targets:
         runs, recs, longs = {}, {}, {}
         if slots is None:
             url, model, ctx = cfg.url.rstrip("/"), cfg.model or _model_id(cfg.url, cfg.api_key), None
+        elif slots < 0:
+            ctx = _llama_server(cfg, -slots)
+            url, model = f"http://127.0.0.1:{ctx.port}", cfg.target
         else:
             ctx = _Server(cfg, slots, max_queue=max(levels) + 1)
             url, model = ctx.url, cfg.target
@@ -355,8 +395,13 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
             result.setdefault("long", {})[label] = longs
         result["records"][label] = recs
     bar.close()
-    labels = list(result["servers"])
+    labels = [lab for lab in result["servers"] if not lab.startswith("llama-server")]
     base, top = labels[0], labels[-1]
+    if peer is not None:  # specdecode's batched server against llama-server's, per client count
+        theirs = result["servers"][targets[-1][0]]
+        result["vs_llama_server"] = {c: round(result["servers"][top][c]["tokens_per_s"] / theirs[c]["tokens_per_s"], 3)
+                                     for c in levels if theirs[c].get("tokens_per_s")
+                                     and result["servers"][top][c].get("tokens_per_s")}
     # Reference outputs: each prompt alone, i.e. the one-slot server (which runs one request
     # at a time at any concurrency), else the measured server at one client.
     ref = result["records"][base] if len(labels) > 1 else {c: result["records"][base].get(1) for c in levels}

@@ -40,6 +40,8 @@ def print_table(result: dict, file: TextIO = sys.stdout) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)), file=file)
     for c, x in result.get("speedup", {}).items():
         print(f"{c} client(s): batched / one-slot aggregate tokens/s = {x:.2f}x", file=file)
+    for c, x in result.get("vs_llama_server", {}).items():
+        print(f"{c} client(s): specdecode's batched server / llama-server's aggregate tokens/s = {x:.2f}x", file=file)
     for c, p in result.get("parity", {}).items():
         print(f"{c} client(s): greedy outputs vs alone: {p['exact']} exact, {p['near_tie']} near-tie, "
               f"{p['divergent']} divergent{' ' + str(p['divergent_ids']) if p['divergent_ids'] else ''}", file=file)
@@ -51,6 +53,8 @@ def markdown(result: dict) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in rows(result)]
     for c, x in result.get("speedup", {}).items():
         lines.append(f"\n{c} client(s): batched / one-slot aggregate tokens/s = **{x:.2f}x**")
+    for c, x in result.get("vs_llama_server", {}).items():
+        lines.append(f"\n{c} client(s): specdecode's batched server / llama-server's aggregate tokens/s = **{x:.2f}x**")
     for c, p in result.get("parity", {}).items():
         lines.append(f"\n{c} client(s): greedy outputs vs alone: {p['exact']} exact, {p['near_tie']} near-tie, "
                      f"{p['divergent']} divergent")
