@@ -80,7 +80,7 @@ def _suite(tmp_path):
 def test_each_configuration_gets_llama_cpps_arguments():
     assert config_args("plain", None) == [] and config_args("spec-default", None) == ["--spec-default"]
     assert config_args("ngram-simple", None) == ["--spec-type", "ngram-simple"]
-    assert config_args("draft", None) is None and config_args("draft", "d.gguf") == ["--model-draft", "d.gguf"]
+    assert config_args("draft", None) is None and config_args("draft", "d.gguf") == ["--model-draft", "d.gguf", "--spec-type", "draft-simple"]
     with pytest.raises(ValueError):
         config_args("eagle", None)
     with pytest.raises(SpecDecodeError) as e:
@@ -132,6 +132,7 @@ def test_the_peer_runs_every_prompt_and_sits_in_the_table(tmp_path, monkeypatch,
     assert completion["temperature"] == 0 and completion["cache_prompt"] is False
     infill = next(c["body"] for c in posts if c["path"] == "/infill")
     assert infill["input_extra"] == [{"filename": "a.py", "text": "price = 2\n"}] and infill["n_predict"] == 40
+    assert all(r["prompt_cached"] == 0 for r in res["rows"])  # each run reads its whole prompt, as the peer does
     srows = res["llama_server_rows"]
     assert len(srows) == 6 and {r["config"] for r in srows} == {"plain", "spec-default", "ngram-simple"}
     plain = next(r for r in srows if r["config"] == "plain" and r["id"] == "raw")
@@ -156,6 +157,7 @@ def test_the_ratios_are_the_summed_times_and_the_median_rates():
     assert e["plain_decode"] == 2.0 and e["plain_prompt"] == pytest.approx(100 / 202, abs=1e-3)  # (101 - 1) / 1 s vs 101 / 0.5 s
     # llama-server's 20 tokens in 4 s, scaled to 40: 0.5 + 8 = 8.5 s; specdecode plain 3 s, x 2 s
     assert e["vs_best"] == {"plain": pytest.approx(8.5 / 3, rel=1e-3), "x": 4.25} and e["best"]["x"] == "plain"
+    assert e["vs_best_decode"] == {"plain": [4.0, "plain"], "x": [8.0, "plain"]}  # 8 s of generation against 2 and 1
 
 
 def test_bench_serve_names_a_missing_llama_server(tmp_path):

@@ -7,8 +7,8 @@ configuration on the same GGUF, context, threads and one slot:
 - ``plain``: no speculation;
 - ``spec-default``: ``--spec-default`` (llama.cpp's default speculation);
 - ``ngram-simple``: ``--spec-type ngram-simple``;
-- ``draft``: ``--model-draft`` the draft model (the first one a configuration names, or
-  ``--llama-server-draft``).
+- ``draft``: ``--model-draft`` the draft model with ``--spec-type draft-simple`` (the first
+  draft model a configuration names, or ``--llama-server-draft``).
 
 Every prompt is sent to each of them between specdecode's own runs of it, greedy
 (``temperature`` 0), ``cache_prompt`` false (each run reads its whole prompt, as each of
@@ -72,7 +72,8 @@ def config_args(config: str, draft_path: Path | None) -> list[str] | None:
     if config == "ngram-simple":
         return ["--spec-type", "ngram-simple"]
     if config == "draft":
-        return None if draft_path is None else ["--model-draft", str(draft_path)]
+        # (--model-draft alone loads the model but drafts nothing in this llama.cpp: draft_n stays 0)
+        return None if draft_path is None else ["--model-draft", str(draft_path), "--spec-type", "draft-simple"]
     raise ValueError(f"unknown llama-server configuration {config!r}: expected one of {', '.join(CONFIGS)}")
 
 

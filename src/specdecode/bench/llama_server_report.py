@@ -7,7 +7,9 @@ Ratios (per category and overall; above 1: specdecode faster):
 - ``vs_best[config]``: the best llama-server configuration's time to the whole answer (reading
   the prompt and generating, its generation scaled to specdecode's answer's length) over
   specdecode's with that configuration (its prefill and decode seconds), summed over the
-  prompts; ``plain`` likewise for specdecode's plain runs against llama-server plain.
+  prompts; ``plain`` likewise for specdecode's plain runs; ``vs_best_decode[config]``: [the
+  same after the prompt (generation alone, an editor's keystroke whose prompt is cached), the
+  llama-server configuration that is best there].
 
 Units: seconds, tokens/s.
 """
@@ -52,10 +54,11 @@ def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _scaled(peer: dict, n: int) -> float:
-    """The peer's seconds to an answer of n tokens: its prompt's, and its generation's per token."""
+def _scaled(peer: dict, n: int, prompt: bool = True) -> float:
+    """The peer's seconds to an answer of n tokens: its prompt's (where ``prompt``), and its
+    generation's per token."""
     per = peer["predicted_s"] / peer["completion_tokens"] if peer["completion_tokens"] else 0.0
-    return peer["prompt_s"] + per * n
+    return (peer["prompt_s"] if prompt else 0.0) + per * n
 
 
 def summarize_servers(rows: list[dict], peer_rows: list[dict], configs: Sequence[str]) -> dict:
@@ -95,22 +98,27 @@ def summarize_servers(rows: list[dict], peer_rows: list[dict], configs: Sequence
             ls_rate = sum(r["prompt_n"] for r in lp) / max(1e-9, sum(r["prompt_s"] for r in lp))
             sd_rate = sum(r["prompt_tokens"] - 1 for r in plain) / max(1e-9, sum(r["plain_prefill_s"] for r in plain))
             entry["plain_prompt"] = _round(sd_rate / ls_rate, 3)
-        entry["vs_best"], entry["best"] = {}, {}
+        entry["vs_best"], entry["best"], entry["vs_best_decode"] = {}, {}, {}
         for name, sd in [("plain", plain)] + [(c, [r for r in mine if r["config"] == c]) for c in configs]:
             if not sd:
                 continue
             n_of = (lambda r: r["plain_completion_tokens"]) if name == "plain" else (lambda r: r["completion_tokens"])
             t_of = (lambda r: r["plain_prefill_s"] + r["plain_decode_s"]) if name == "plain" else \
                 (lambda r: r["prefill_s"] + r["decode_s"])
-            mine_s = sum(t_of(r) for r in sd)
-            best = None
+            d_of = (lambda r: r["plain_decode_s"]) if name == "plain" else (lambda r: r["decode_s"])
+            mine_s, mine_d = sum(t_of(r) for r in sd), sum(d_of(r) for r in sd)
+            best = best_d = None
             for config in entry["llama_server"]:
                 peer = {r["id"]: r for r in peers if r["config"] == config}
                 if all(r["id"] in peer for r in sd):
                     s = sum(_scaled(peer[r["id"]], n_of(r)) for r in sd)
+                    d = sum(_scaled(peer[r["id"]], n_of(r), prompt=False) for r in sd)
                     best = min(best, (s, config)) if best else (s, config)
+                    best_d = min(best_d, (d, config)) if best_d else (d, config)
             if best and mine_s > 0:
                 entry["vs_best"][name], entry["best"][name] = round(best[0] / mine_s, 3), best[1]
+            if best_d and mine_d > 0:
+                entry["vs_best_decode"][name] = [round(best_d[0] / mine_d, 3), best_d[1]]
         out[cat] = entry
     return out
 
@@ -138,7 +146,8 @@ def server_lines(result: dict) -> list[str]:
         match = min((v["prompt_matches"] for v in e["llama_server"].values()), default=0)
         lines.append(f"  {cat} ({e['prompts']} prompts): decode tok/s llama-server: {ls}")
         lines.append(f"  {'':{len(cat)}}   specdecode: {sd}")
-        vs = "  ".join(f"{c} {x:.2f}x (vs {e['best'][c]})" for c, x in e["vs_best"].items())
+        vs = "  ".join(f"{c} {x:.2f}x (vs {e['best'][c]}; after the prompt {e['vs_best_decode'][c][0]:.2f}x vs "
+                       f"{e['vs_best_decode'][c][1]})" for c, x in e["vs_best"].items())
         lines.append(f"  {'':{len(cat)}}   plain/plain decode {_x(e.get('plain_decode'))}, prompt "
                      f"{_x(e.get('plain_prompt'))}; time to the whole answer vs llama-server's best: {vs}; "
                      f"plain text the same on {same}/{e['prompts']}, prompt tokens the same on {match}/{e['prompts']}")

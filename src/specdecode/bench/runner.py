@@ -247,7 +247,7 @@ def _time_all(config: BenchConfig, prompts: list[BenchPrompt], variants: list[Va
         for i, p in enumerate(prompts):
             ids = ids_of(p)
             pred = first.prediction_ids(p.prediction) if p.prediction else None
-            timed = time_prompt(p, ids, i, variants, pred, config.max_tree_nodes)
+            timed = time_prompt(p, ids, i, variants, pred, config.max_tree_nodes, fresh=bool(servers))
             bar.update(per_prompt)
             peer_rate = assisted_rate = None
             if peer is not None and p.grammar is None:

@@ -91,22 +91,27 @@ def follows_prediction(drafter) -> bool:
     return drafter.follows("prediction")
 
 
-def _run_plain(v: Variant, p: BenchPrompt, ids: list[int]) -> GenerationResult:
+def _run_plain(v: Variant, p: BenchPrompt, ids: list[int], fresh: bool = False) -> GenerationResult:
+    if fresh:
+        v.dec.engine.forget_prefix()
     return v.dec.engine.generate(ids, sampling=v.params, max_tokens=p.max_tokens, record_top2_gaps=True,
                                  grammar=p.grammar, **v.fields)
 
 
 def _run_configs(v: Variant, p: BenchPrompt, ids: list[int], prediction: list[int] | None,
-                 trees: int | None) -> dict[str, GenerationResult]:
+                 trees: int | None, fresh: bool = False) -> dict[str, GenerationResult]:
     out = {}
+    forget = (lambda eng: eng.forget_prefix()) if fresh else (lambda eng: None)  # noqa: E731
     for name, eng in v.engines.items():
         nodes = trees if name.endswith(WITH_TREES) else 0 if trees else None  # None: the engine's default
         again = prediction and follows_prediction(eng.drafter)
         learners = history_keepers([eng.drafter]) if again else []
         before = [d.history_state() for d in learners]
+        forget(eng)
         out[name] = eng.generate(ids, sampling=v.params, max_tokens=p.max_tokens, grammar=p.grammar,
                                  max_tree_nodes=nodes, **v.fields)
         if again:
+            forget(eng)
             with history_as(learners, before):  # not the answer the run above just stored
                 out[name + WITH_PREDICTION] = eng.generate(ids, sampling=v.params, max_tokens=p.max_tokens,
                                                            grammar=p.grammar, prediction=prediction, **v.fields)
@@ -114,7 +119,7 @@ def _run_configs(v: Variant, p: BenchPrompt, ids: list[int], prediction: list[in
 
 
 def time_prompt(p: BenchPrompt, ids: list[int], i: int, variants: list[Variant], prediction: list[int] | None = None,
-                trees: int | None = None) -> list[tuple[GenerationResult, dict[str, GenerationResult]]]:
+                trees: int | None = None, fresh: bool = False) -> list[tuple[GenerationResult, dict[str, GenerationResult]]]:
     """The i-th prompt's plain run and each configuration's (row name -> result), per variant.
 
     The runs go in units, each variant's plain run and its configurations' runs
@@ -124,15 +129,17 @@ def time_prompt(p: BenchPrompt, ids: list[int], i: int, variants: list[Variant],
     With a prediction (its token ids), each configuration that follows one runs again with it, as
     ``NAME+prediction``, from the suffix history as it was before the configuration's first
     run of this prompt (:func:`history_as`); with trees (a node budget > 0), the engines named
-    ``NAME+trees`` (drafters of their own) run with trees and the others with chains.
+    ``NAME+trees`` (drafters of their own) run with trees and the others with chains. fresh:
+    every run reads its whole prompt (no prefix reused from the run before: beside a peer that
+    reads its own whole).
     """
     units = [(v, plain) for v in range(len(variants)) for plain in (True, False)]
     start = i % len(units)
     done: dict[tuple[int, bool], object] = {}
     for v, plain in units[start:] + units[:start]:
         variant = variants[v]
-        done[v, plain] = (_run_plain(variant, p, ids) if plain
-                          else _run_configs(variant, p, ids, prediction, trees))
+        done[v, plain] = (_run_plain(variant, p, ids, fresh) if plain
+                          else _run_configs(variant, p, ids, prediction, trees, fresh))
     return [(done[v, True], done[v, False]) for v in range(len(variants))]
 
 
