@@ -31,7 +31,6 @@ Units: seconds, tokens.
 
 from __future__ import annotations
 
-import hashlib
 import platform
 import sys
 import time
@@ -43,6 +42,7 @@ import numpy as np
 
 from ..backends.llama_cpp.lib import attention_requested
 from ..files import read_cache_json, write_cache_json
+from .costcache import key_of
 
 PATHS = ("auto", "off")  # llama.cpp's own (flash attention on the CPU), and off
 # Contexts (tokens cached before the timed step) and timed one-token steps per path at each.
@@ -97,24 +97,8 @@ def choose(t1: dict) -> str:
 def attention_key(backend) -> str:
     """What the choice depends on: the model file (path, size, time), the CPU, the threads, the
     weights' buffers, the library; not the context size nor the sequences (``--parallel``)."""
-    parts = ["attention", type(backend).__name__, platform.machine(), str(backend.n_threads or ""),
-             backend.weights_note.split(";")[0]]
-    path = backend.path
-    if path is not None and Path(path).exists():
-        st = Path(path).stat()
-        parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
-    try:
-        with open("/proc/cpuinfo") as f:
-            parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
-    except OSError:
-        pass
-    try:
-        import llama_cpp
-
-        parts.append(llama_cpp.__version__)
-    except ImportError:
-        pass
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    return key_of(backend, ["attention", type(backend).__name__, platform.machine(), str(backend.n_threads or ""),
+                            backend.weights_note.split(";")[0]], [])
 
 
 def choice_path(backend, folder: Path) -> Path:

@@ -26,14 +26,21 @@ from .measure import Measurement, drive, measure_forward_curve, repair, unconfir
 def machine_key(backend: Backend) -> str:
     """What a measured curve depends on: model file, backend (with its ``cost_key``: dtype and
     weights for torch), threads, device, CPU, library version."""
-    parts = [type(backend).__name__, backend.name, platform.machine(), platform.processor()]
+    after = [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
+    if backend.n_seq > 1:  # a cache of several sequences (llama.cpp's unified KV) times differently
+        after.append(f"n_seq={backend.n_seq}")
+    return key_of(backend, [type(backend).__name__, backend.name, platform.machine(), platform.processor()], after)
+
+
+def key_of(backend: Backend, before: list[str], after: list[str]) -> str:
+    """A cache key: before, the model file (path, size, time), after, the CPU's name and
+    llama.cpp's version, hashed (24 hex digits)."""
+    parts = list(before)
     path = backend.path
     if path is not None and Path(path).exists():
         st = Path(path).stat()
         parts += [str(Path(path).resolve()), str(st.st_size), str(st.st_mtime_ns)]
-    parts += [str(backend.n_threads or ""), str(backend.device), backend.cost_key]
-    if backend.n_seq > 1:  # a cache of several sequences (llama.cpp's unified KV) times differently
-        parts.append(f"n_seq={backend.n_seq}")
+    parts += after
     try:
         with open("/proc/cpuinfo") as f:
             parts.append(next((ln for ln in f if ln.startswith("model name")), ""))
