@@ -53,7 +53,7 @@ def drive(url: str) -> list[dict]:
     return out
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--ctx-size", type=int, default=8192)
@@ -61,7 +61,11 @@ def main(argv=None) -> None:
     ap.add_argument("--llama-server", default=None, help="its binary (default: the one build_llama_server.sh built)")
     ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     results = {}
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "serve.log"

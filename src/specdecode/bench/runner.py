@@ -301,14 +301,7 @@ def run_bench(config: BenchConfig) -> dict:
         first = variants[0].dec
         prompts, skipped = fim_served(prompts, first.target)
 
-        # With llama-server beside it, a fill-in-the-middle prompt is /infill's (llama-server's budgets).
-        budget = (lambda p: FimBudget.for_context(first.target.n_ctx, p.max_tokens)) if config.llama_server is not None \
-            else (lambda p: None)
-
-        def ids_of(p: BenchPrompt) -> list[int]:
-            if p.fim:
-                return first.prompt_ids(p.prompt, suffix=p.suffix, extra=p.extra, fim_budget=budget(p))
-            return first.prompt_ids(p.prompt, p.messages, p.tools)
+        ids_of = _ids_of(first, config.llama_server is not None)
 
         for v in variants:
             _oracle_setup(v, drafts)
@@ -317,12 +310,9 @@ def run_bench(config: BenchConfig) -> dict:
         peer, peer_note, assisted_peer = _start_peers(config, first.target, variants[0].engines, prompts, ids_of)
         servers, server_note = _start_servers(config, first.target)
         server_rows: list[dict] = []
-        try:
+        with _closing(servers):
             rows, peer_note, vs_first = _time_all(config, prompts, variants, ids_of, peer, assisted_peer, peer_note,
                                                   servers, server_rows)
-        finally:
-            for s in servers.values():
-                s.close()
         rss = peak_rss_mb()  # includes the peer's score buffer when the peer ran
         del peer
         target = first.target
@@ -352,6 +342,27 @@ def run_bench(config: BenchConfig) -> dict:
         result["llama_server"] = summarize_servers(rows, server_rows, names)
         result["llama_server_rows"] = server_rows
     return result
+
+
+@contextmanager
+def _closing(servers: dict):
+    """Stop every llama-server however the runs end."""
+    try:
+        yield
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+def _ids_of(dec: Decoder, infill: bool):
+    """A prompt's token ids on the first variant's decoder; with ``infill`` (llama-server beside
+    it), a fill-in-the-middle prompt as /infill lays it out (llama-server's budgets)."""
+    def ids_of(p: BenchPrompt) -> list[int]:
+        if p.fim:
+            budget = FimBudget.for_context(dec.target.n_ctx, p.max_tokens) if infill else None
+            return dec.prompt_ids(p.prompt, suffix=p.suffix, extra=p.extra, fim_budget=budget)
+        return dec.prompt_ids(p.prompt, p.messages, p.tools)
+    return ids_of
 
 
 def _start_servers(config: BenchConfig, target: Backend) -> tuple[dict, str | None]:
