@@ -371,11 +371,11 @@ class SpeculativeEngine:
         (:func:`.reuse.reuse_chunks`; reuse 0: none). Returns (tokens of committed now cached,
         of them shifted)."""
         keep = slot.reusable(committed)
-        cached = slot.tokens[:slot.cached_len]
+        cached, cached_len = slot.tokens, slot.cached_len  # (the list itself: forget() rebinds, never mutates)
         slot.forget()
         shifted = 0
         if reuse > 0 and keep < len(committed) - 1:
-            keep, shifted = reuse_chunks(self.target, slot.seq, cached, committed[:-1], keep, reuse)
+            keep, shifted = reuse_chunks(self.target, slot.seq, cached[:cached_len], committed[:-1], keep, reuse)
         self.target.rollback(min(keep, self.target.seq_len(slot.seq)), seq=slot.seq)
         slot.tokens, slot.cached_len = committed, keep
         return keep, shifted
