@@ -343,6 +343,40 @@ def test_chat_logprobs_of_byte_tokens_carry_their_bytes(http, stream):
     still_serving(http)
 
 
+def _strict_json(text: str):
+    """json.loads refusing NaN and Infinity, which are not JSON (a client's parser rejects them)."""
+    def refuse(name):
+        raise ValueError(f"{name} in the body")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_under_a_grammar_are_finite_json(http, stream):
+    """Issue 61: top_logprobs >= 2 under a json_schema answered 500 ("Out of range float values
+    are not JSON compliant"), and streamed -Infinity: the tokens the grammar forbids are not
+    candidates, so top_logprobs lists the allowed ones only (fewer where fewer are allowed)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "top_logprobs": 5, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+    if not stream:
+        r = http.post(X, json=body)
+        assert r.status_code == 200, r.text
+        content = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    else:
+        with http.stream("POST", X, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [_strict_json(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        content = [t for e in events if e["choices"] and e["choices"][0].get("logprobs")
+                   for t in e["choices"][0]["logprobs"]["content"]]
+    assert content
+    assert any(len(t["top_logprobs"]) < 5 for t in content)  # where the grammar forces a token
+    for t in content:
+        assert all(-1e30 < top["logprob"] <= 0 for top in t["top_logprobs"]), t
+        assert -1e30 < t["logprob"] <= 0
+    still_serving(http)
+
+
 # ------------------------------------------------------------------ SIGTERM
 
 

@@ -100,6 +100,11 @@ BAD = [
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "tool names must be unique"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters",
      "must be a JSON schema (an object)"),
+    # Issue 61: parameters of another type gave 200 with raw <tool_call> tags in content.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters.type", 'a function\'s parameters are an object'),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["array"]}}}]},
+     "tools[0].function.parameters.type", '["array"]'),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools[0].function.description",
      "must be a string"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict",
@@ -380,6 +385,10 @@ FENCED_CALL = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Pa
     ("  It depends.", 2),  # (its first token, the two spaces, may still open one)
     ('{"temperature": 17}', 2),  # a JSON answer whose first key is not "name"
     ("```python\nprint(1)\n```", 3),
+    # Issue 61: the user asked for this JSON and a bare {"name" forced a get_weather call; now a
+    # "name" that is none of the tools' is text (the constraint retires within "Bob").
+    ('{"name": "Bob", "age": 30}', 6),
+    ('```json\n{"name": "Bob", "age": 30}\n```', 9),
 ])
 def test_under_auto_text_is_free_and_the_constraint_retires(smollm, text, left):
     """tool_choice auto (llama.cpp's lazy grammar): text that cannot open a call passes whole,
@@ -403,7 +412,11 @@ def test_under_auto_an_opened_call_is_constrained_to_the_tools(smollm, text):
     c.commit(ids)
     assert not c.retired and c.accepting  # a whole call: the end may come
     assert parse(text)[1], text  # and the parser reads it as one
-    for bad in (text.replace("get_weather", "get_news").replace("get_time", "get_news"),  # no such tool
+    other = text.replace("get_weather", "get_news").replace("get_time", "get_news")
+    if not text.startswith("<tool_call>"):  # an object naming no tool is no call: text (issue 61), and free
+        ids = smollm.tokenize(other, add_special=False)
+        assert GrammarConstraint(grammar, smollm).valid_prefix(ids) == len(ids) and not parse(other)[1], other
+    for bad in ((other,) if text.startswith("<tool_call>") else ()) + (  # the tag opens a call: no such tool
                 text.replace('"celsius"', '"kelvin"').replace('"UTC"', "5"),  # arguments off the schema
                 text + " Then some text."):  # nothing after the call but another call
         if bad == text:
@@ -438,15 +451,23 @@ def test_under_auto_speculation_keeps_plain_decodings_answer(smollm_path):
             assert spec.token_ids == plain.token_ids, (spec.text, plain.text)
 
 
-def test_a_schema_the_grammar_cannot_compile_names_tools(smollm):
+def test_a_schema_the_grammar_cannot_compile_is_named_by_its_tool(smollm):
+    """Issue 61: the error named ``tools`` and quoted the internal Lark grammar; the tool's own
+    schema, compiled alone, names ``tools[i].function.parameters`` (the server does this where
+    the tools' grammar fails: the qwen round trip below sends it over HTTP)."""
     from specdecode.grammar import check_grammar
 
-    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+    broken = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}]
-    grammar = chat({"tools": broken, "tool_choice": "required"}).options.grammar
+    req = chat({"tools": broken, "tool_choice": "required"})
     with pytest.raises(SpecDecodeError) as e:
-        check_grammar(grammar, smollm)
-    assert e.value.param == "tools" and "cannot be compiled" in str(e.value)
+        check_grammar(req.options.grammar, smollm)
+    assert e.value.param == "tools"  # the whole grammar fails: which tool is not known from it
+    with pytest.raises(SpecDecodeError) as e:
+        req.tools.check_schemas(smollm)
+    assert e.value.param == "tools[1].function.parameters" and "cannot be compiled" in str(e.value)
+    assert "%json" not in str(e.value) and "fn_0" not in str(e.value)
+    chat({"tools": TOOLS, "tool_choice": "required"}).tools.check_schemas(smollm)  # good schemas pass
 
 
 def test_constrained_generation_gives_calls_valid_for_the_schema(smollm_path):
@@ -559,3 +580,9 @@ def test_a_tool_round_trip_through_the_openai_client(qwen):
                                                           "tool_choice": {"type": "function",
                                                                           "function": {"name": "get_news"}}})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice.function.name", bad.text
+            broken = {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}
+            bad = http.post("/v1/chat/completions", json={"model": QWEN, "messages": ASK, "tools": [TOOLS[0], broken],
+                                                          "tool_choice": "required"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[1].function.parameters", bad.text
+            assert "%json" not in bad.text and "start:" not in bad.text

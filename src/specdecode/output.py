@@ -288,6 +288,7 @@ class OutputAccumulator:
         lps = log_softmax(row)
         top = np.argpartition(lps, -n)[-n:] if n > 0 else np.array([], dtype=np.int64)
         top = top[np.argsort(-lps[top])]
+        top = top[np.isfinite(lps[top])]  # a token a grammar forbids (-inf) is no candidate, and -inf is not JSON
 
         def piece(t) -> str:
             return self.token_bytes(int(t)).decode("utf-8", errors="replace")

@@ -115,7 +115,12 @@ class Preparer:
             max_tokens = resolve_max_tokens(req, len(ids), self.n_ctx)
             inputs = {name: self._input_ids(name, text) for name, text in req.inputs.items()}
             if req.options.grammar is not None:
-                check_grammar(req.options.grammar, self.decoder.target)
+                try:
+                    check_grammar(req.options.grammar, self.decoder.target)
+                except SpecDecodeError:
+                    if req.tools and req.options.grammar.name == "tools":
+                        req.tools.check_schemas(self.decoder.target)  # names the tool whose schema fails
+                    raise
             if req.options.batch_invariant == "on":  # found here, a 400, not inside a stream already open
                 check_strict_allowed(self.decoder.target)
         except (SpecDecodeError, TemplateError) as e:

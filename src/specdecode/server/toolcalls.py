@@ -340,9 +340,13 @@ class HermesFormat(ToolCallFormat):
         return Grammar("lark", lark, name="tools")
 
 
-    # What opens a call at the start of a message (as the parser's start mode reads it): the tag,
-    # or the call object, bare or in a code fence, once its first key is "name".
-    TRIGGER = r'\s*(<tool_call>|(```(json|xml)?\n)?\s*\{\s*"name")'
+    @staticmethod
+    def trigger(names: Collection[str]) -> str:
+        """What opens a call at the start of a message (as the parser's start mode reads it): the
+        tag, or the call object, bare or in a code fence, once its "name" is one of the tools'
+        (issue 61: a bare ``{"name"`` forced a call on a user who asked for ``{"name": "Bob"}``).
+        The names are function names (letters, digits, _ and -): nothing in them to escape."""
+        return r'\s*(<tool_call>|(```(json|xml)?\n)?\s*\{\s*"name"\s*:\s*"(' + "|".join(names) + ')")'
 
     def lazy_grammar(self, schemas: dict[str, dict]) -> Grammar:
         """llama.cpp's lazy grammar for Hermes 2 Pro (its trigger on the tag and on "good bad"
@@ -352,23 +356,30 @@ class HermesFormat(ToolCallFormat):
         its leading whitespace, so that the lexer never has to take back a whitespace lexeme."""
         names = list(schemas)
         lit = json.dumps
+        each = range(len(names))
+        # A fenced or bare opening is one lexeme up to the name's closing quote, where the trigger
+        # completes: the lexer never has to take back a lexeme that ended while OTHER still ran.
         lark = "\n".join([
             "start: OTHER | tagged | fenced | bare",
-            f"OTHER: /(?s:.*)/ & ~/{self.TRIGGER}(?s:.*)/",
+            f"OTHER: /(?s:.*)/ & ~/{self.trigger(names)}(?s:.*)/",
             "tagged: TAG_OPEN call TAG_CLOSE (TAG_OPEN call TAG_CLOSE)* TRAIL?",
-            "fenced: FENCE_OPEN call FENCE_CLOSE TRAIL?",
-            "bare: BARE_OPEN call OBJECT_CLOSE TRAIL?",
+            "fenced: " + " | ".join(f"fenced_{i}" for i in each),
+            "bare: " + " | ".join(f"bare_{i}" for i in each),
             r"TRAIL: /\s+/",
             r'TAG_OPEN: /\s*<tool_call>\s*\{\s*"name"\s*:\s*/',
             r"TAG_CLOSE: /\s*\}\s*<\/tool_call>/",
-            r'FENCE_OPEN: /\s*```(json|xml)?\n\s*\{\s*"name"\s*:\s*/',
             r"FENCE_CLOSE: /\s*\}\s*```/",
-            r'BARE_OPEN: /\s*\{\s*"name"\s*:\s*/',
             r"OBJECT_CLOSE: /\s*\}/",
             r'ARGUMENTS: /\s*,\s*"arguments"\s*:\s*/',
-            "call: " + " | ".join(f"call_{i}" for i in range(len(names))),
-            *(f"call_{i}: {lit(lit(name))} ARGUMENTS %json {json.dumps(schemas[name])}" for i, name in enumerate(names))])
-        return Grammar("lark", lark, name="tools", trigger=self.TRIGGER)
+            "call: " + " | ".join(f"call_{i}" for i in each),
+            *(f"call_{i}: {lit(lit(name))} ARGUMENTS %json {json.dumps(schemas[name])}" for i, name in enumerate(names)),
+            *(f'FENCE_{i}: /\\s*```(json|xml)?\\n\\s*\\{{\\s*"name"\\s*:\\s*"{name}"/' for i, name in enumerate(names)),
+            *(f'BARE_{i}: /\\s*\\{{\\s*"name"\\s*:\\s*"{name}"/' for i, name in enumerate(names)),
+            *(f"fenced_{i}: FENCE_{i} ARGUMENTS %json {json.dumps(schemas[name])} FENCE_CLOSE TRAIL?"
+              for i, name in enumerate(names)),
+            *(f"bare_{i}: BARE_{i} ARGUMENTS %json {json.dumps(schemas[name])} OBJECT_CLOSE TRAIL?"
+              for i, name in enumerate(names))])
+        return Grammar("lark", lark, name="tools", trigger=self.trigger(names))
 
 
 FORMATS: tuple[ToolCallFormat, ...] = (HermesFormat(),)

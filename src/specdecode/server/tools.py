@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..grammar import Grammar
+from ..grammar import Grammar, check_grammar
 from ..messages import json_repr
 from .apierror import APIError
 from .toolcalls import MAX_NAME_LEN, NAME_CHARS, HermesParser, ToolCallFormat, ToolCallWatch
@@ -61,6 +61,14 @@ class ToolRequest:
             return self.format.lazy_grammar({n: self.schema(n) for n in self.names})
         names = self.names if self.name is None else (self.name,)
         return self.format.grammar({n: self.schema(n) for n in names}, several=self.name is None and self.parallel)
+
+    def check_schemas(self, backend: Any) -> None:
+        """Compile each tool's parameters schema alone; raise SpecDecodeError naming the first
+        that does not compile (``tools[i].function.parameters``) with llguidance's message on
+        the schema, not on the tools' internal grammar (issue 61: an error that named ``tools``
+        and quoted the Lark grammar)."""
+        for i, name in enumerate(self.names):
+            check_grammar(Grammar.json_schema(self.schema(name), f"tools[{i}].function.parameters"), backend)
 
     def parser(self) -> HermesParser:
         """A fresh parser of one choice's output."""
@@ -150,6 +158,10 @@ def _check_function(fn: Any, where: str) -> dict:
         v = fn.get(key)
         if v is not None and not ok(v):
             raise APIError(400, f"{where}.{key} must be {kind}, got {json_repr(v)}", param=f"{where}.{key}")
+    kind = (fn.get("parameters") or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise APIError(400, f"{where}.parameters.type = {json_repr(kind)}: a function's parameters are an object "
+                       '(type "object") of its arguments by name', param=f"{where}.parameters.type")
     return {k: fn[k] for k in _FUNCTION_KEYS if fn.get(k) is not None}
 
 
