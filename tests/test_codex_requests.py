@@ -18,6 +18,7 @@ so it judges what the server answers and what reaches the prompt, never the wall
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -164,10 +165,33 @@ def test_a_member_whose_name_is_taken_is_shown_with_its_namespace():
     assert tools.origin == ["tools[0]", "tools[1].tools[0]"]
 
 
+@pytest.mark.parametrize("namespace", ["mcp.github", "n" * 64])
+def test_a_clashing_member_of_any_namespace_gets_a_valid_distinct_name(namespace):
+    """Issue 61: ``{namespace}__{name}`` over 64 characters, or with ".", was a 400 blaming a name
+    the client never sent. Now a valid function name (cut, with a hash where too long) that
+    reads back to both names."""
+    body = [{"type": "function", "name": "run"},
+            {"type": "namespace", "name": namespace, "tools": [{"type": "function", "name": "run"}]},
+            {"type": "namespace", "name": namespace + "2", "tools": [{"type": "function", "name": "run"}]}]
+    rr = parse_responses({"model": MODEL, "input": "hi", "tools": body, "tool_choice": "required"}, MODEL, 512,
+                         HermesFormat(), ResponseStore())
+    tools = tool_set(body)
+    names = [t["function"]["name"] for t in tools.chat]
+    assert len(set(names)) == 3 and all(len(n) <= 64 and re.fullmatch(r"[A-Za-z0-9_-]+", n) for n in names), names
+    assert tools.call_fields(names[1]) == {"name": "run", "namespace": namespace}
+    assert tools.prompt_name("run", namespace + "2") == names[2]
+    assert rr.req.messages == [{"role": "user", "content": "hi"}]
+    with pytest.raises(APIError) as e:  # a clashing member's own bad name is named as the client sent it
+        tool_set([{"type": "function", "name": "r un"},
+                  {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "r un"}]}])
+    assert e.value.param == "tools[1].tools[0].name" and e.value.message.endswith('got "r un"')
+
+
 @pytest.mark.parametrize("fields", [
     {"reasoning": {"effort": "high", "summary": "detailed"}},
     {"reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content", "file_search_call.results"]},
     {"client_metadata": {"session_id": "s"}},
+    {"reasoning": {"generate_summary": "none"}},  # issue 61: documented, and refused
 ])
 def test_what_changes_nothing_here_is_accepted(fields):
     rr = parse_responses({"model": MODEL, "input": "hi", **fields}, MODEL, 512, HermesFormat(), ResponseStore())

@@ -221,6 +221,20 @@ def test_llama_cpps_infill_budget_trims_instead_of_refusing(qwen):
     assert ids[:mid] == whole[:whole.index(t.pre)][-mid:]
 
 
+@pytest.mark.parametrize("n_predict", [-1, 0])
+def test_the_budget_trims_with_n_predict_minus_one_or_zero(qwen, n_predict):
+    """Issue 61: with n_predict -1 (its default) or 0, a prompt over the budget was refused ("the
+    prompt has 4097 tokens but the context holds 4096") where n_predict 1 trimmed it."""
+    from specdecode.backends.fim import FimBudget
+
+    b = qwen.target
+    files = tuple((f"f{i}.py", f"z{i} = {i}\n" * 300) for i in range(8))
+    fim = FimInput("x = 1\n" * 3000, "y = 2\n" * 1000, files)
+    assert len(fim_prompt_ids(b, fim)) > 4096
+    ids = fim_prompt_ids(b, fim, budget=FimBudget.for_context(4096, n_predict))
+    assert 4096 - 8 <= len(ids) <= 4096 - 1  # trimmed, and one token left for the middle
+
+
 def llama_cpp_infill(tokenize, t, bos, prefix, suffix, extra, prompt, n_batch, n_predict, n_ctx):
     """A line-by-line transcription of llama.cpp's ``format_prompt_infill``
     (tools/server/server-common.cpp, the llama.cpp that llama-cpp-python 0.3.36 vendors), the

@@ -97,6 +97,10 @@ def test_options_become_the_requests_sampling_and_bounds():
     ({"repeat_last_n": -5}, "options.repeat_last_n", "options.repeat_last_n = -5"),
     ({"mirostat": 2}, "options.mirostat", "only 0 is accepted"),
     ({"frobnicate": 1}, "options.frobnicate", "unsupported option(s): frobnicate"),
+    # Issue 61: options accepted without effect took any type.
+    ({"num_gpu": "all"}, "options.num_gpu", "must be an integer"),
+    ({"use_mmap": "yes"}, "options.use_mmap", "must be a boolean"),
+    ({"mirostat_tau": [5]}, "options.mirostat_tau", "must be a number"),
 ])
 def test_bad_options_are_400s_naming_the_option(options, param, words):
     assert words in refused(chat, {"messages": HI, "options": options}, param)
@@ -131,6 +135,11 @@ def test_messages_carry_tool_calls_as_objects_and_tool_results_by_name():
     check_messages(messages)  # what the OpenAI route accepts
     assert "answers no earlier tool call" in refused(chat, {"messages": [{"role": "tool", "content": "x"}]},
                                                      "messages[0].role")
+    # Issue 61: a tool_name no waiting call has answered the first pending call; now named.
+    words = refused(chat, {"messages": [HI[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "12:00", "tool_name": "get_time"}]}, "messages[2].tool_name")
+    assert '"get_time"' in words and '"get_weather"' in words
     assert "reads text only" in refused(chat, {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
                                         "messages[0].images")
     refused(chat, {"messages": [{"role": "user", "content": "x", "name": "me"}]}, "messages[0].name")
@@ -284,7 +293,9 @@ def test_errors_are_ollamas_shape_with_the_right_status(script_server):
         # Found when the prompt is prepared: a model without FIM tokens, a prompt longer than the context.
         ("/api/generate", {"model": SCRIPT, "prompt": "x", "suffix": "y"}, 400, "fill-in-the-middle"),
         ("/api/generate", {"model": SCRIPT, "prompt": "x" * 5000, "raw": True}, 400, "context"),
-        ("/api/embed", {"model": SCRIPT, "input": "x"}, 404, "Not Found"),
+        # Issue 61: a bare "Not Found"; now what this server serves under /api/.
+        ("/api/embed", {"model": SCRIPT, "input": "x"}, 404, "no such endpoint; under /api/ this server serves"),
+        ("/api/pull", {"model": SCRIPT}, 404, "/api/chat"),
     ]:
         r = httpx.post(url + path, json=body)
         assert r.status_code == status and set(r.json()) == {"error"}, (path, r.text)

@@ -143,6 +143,7 @@ def test_input_extra_chunks_are_filename_text_pairs_with_llama_cpp_default_name(
     ({"samplers": ["top_k", "nucleus"]}, "samplers[1]", 400),
     ({"t_max_predict_ms": -1}, "t_max_predict_ms", 400),
     ({"n_cmpl": 9}, "n_cmpl", 400),
+    ({"n_cmpl": 8, "n_predict": N_CTX // 8 + 1}, "n_cmpl", 400),  # issue 61: no bound on n_cmpl x n_predict
     ({"stop": "\n"}, "stop", 400),
     ({"top_p": 0}, "top_p", 400),
     ({"model": "gpt-4"}, "model", 404),
@@ -151,6 +152,15 @@ def test_fields_out_of_range_or_unknown_are_named(body, param, status):
     with pytest.raises(APIError) as e:
         parse(body)
     assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_n_cmpl_completions_share_one_context_of_tokens():
+    """Issue 61: n_cmpl 8 with n_predict -1 each ran to the context's end (169 s in one run):
+    now the completions of one request generate at most one context's worth in all."""
+    assert parse({"n_cmpl": 8}).req.max_tokens == N_CTX // 8
+    assert parse({"n_cmpl": 8, "n_predict": N_CTX // 8}).req.max_tokens == N_CTX // 8
+    assert parse({"n_cmpl": 1}).req.max_tokens is None  # one completion: until the middle ends or the context fills
+    assert parse({"n_cmpl": 2, "n_predict": 0}).req.max_tokens is None
 
 
 def test_prefix_and_suffix_are_required_and_a_model_without_fim_tokens_is_named():

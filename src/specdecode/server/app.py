@@ -113,6 +113,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         detail = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            detail = _no_route(app, request.method, request.url.path)
         return error_response(APIError(exc.status_code, detail, type=kind), request.url.path)
 
     @app.exception_handler(RequestValidationError)
@@ -123,6 +125,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
         return error_response(error, request.url.path)
+
+
+def _no_route(app: FastAPI, method: str, path: str) -> str:
+    """A 404's message for a path no route serves: the routes under its first segment (Ollama's
+    under /api/, OpenAI's under /v1/), else every route (issue 61: a bare "Not Found")."""
+    paths = sorted({r.path for r in app.routes if hasattr(r, "methods") and "{" not in r.path and r.path != "/"})
+    top = "/" + path.strip("/").split("/")[0] + "/"
+    near = [p for p in paths if p.startswith(top)] if len(top) > 2 else []
+    where = f"under {top} this server serves " if near else "this server serves "
+    return f"{method} {path}: no such endpoint; {where}{', '.join(near or paths)}"
 
 
 class _Routes:

@@ -155,9 +155,10 @@ class InfillGenRequest(GenRequest):
 class InfillRequest:
     """A parsed /infill body: the request the worker runs, and what its answer shows.
 
-    req: the GenRequest (kind "infill", its fim set, n = n_cmpl). n_predict: as given (-1: until
-    the model ends the middle or the context is full). samplers: the llama.cpp sampler chain the
-    sampling parameters came from. response_fields: llama.cpp's projection of the answer (paths
+    req: the GenRequest (kind "infill", its fim set, n = n_cmpl; n_cmpl x n_predict at most the
+    context, and with n_predict -1 and n_cmpl > 1 each completion at most n_ctx / n_cmpl tokens).
+    n_predict: as given (-1: until the model ends the middle or the context is full). samplers:
+    the llama.cpp sampler chain the sampling parameters came from. response_fields: llama.cpp's projection of the answer (paths
     such as "timings/prompt_n"), empty for the whole object.
     """
 
@@ -208,6 +209,11 @@ def parse_infill(body: Any, model_name: str, n_ctx: int, fim_model: bool,
     b.boolean("cache_prompt")
     b.integer("id_slot", -1)
     n = b.integer("n_cmpl", 1, MAX_N, " (completions run one after another in one slot on this server)") or 1
+    if n > 1 and n * n_predict > n_ctx:  # at most one context's worth of tokens in all (issue 61: 169 s)
+        raise APIError(400, f"n_cmpl = {n} completions of n_predict = {n_predict} tokens are {n * n_predict} tokens, "
+                       f"more than the context ({n_ctx}) this server generates for one request: lower n_cmpl or "
+                       "n_predict", param="n_cmpl")
+    per_completion = n_predict if n_predict > 0 else (n_ctx // n if n > 1 and n_predict < 0 else None)
     samplers = parse_samplers(body.get("samplers"))
     limits = InfillLimits(t_max_predict_ms=t_max or 0.0, n_indent=b.integer("n_indent", 0) or 0,
                           no_output=n_predict == 0, clock=clock)
@@ -220,7 +226,7 @@ def parse_infill(body: Any, model_name: str, n_ctx: int, fim_model: bool,
     stream = bool(b.boolean("stream"))
     watch = limits.watch if (limits.t_max_predict_ms or limits.n_indent or limits.no_output) else None
     req = InfillGenRequest(kind="infill", prompt=fim.prefix, messages=None,
-                           max_tokens=n_predict if n_predict > 0 else None, options=options, stream=stream, n=n,
+                           max_tokens=per_completion, options=options, stream=stream, n=n,
                            fim=fim, trace=trace, watch=watch, fit_context=True)  # n_predict a bound, as llama.cpp
     return InfillRequest(req, n_predict, samplers, _response_fields(body.get("response_fields")), limits)
 

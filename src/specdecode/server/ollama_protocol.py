@@ -64,9 +64,12 @@ _NUMBER_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "min_p": "min
                    "repetition_penalty", "presence_penalty": "presence_penalty",
                    "frequency_penalty": "frequency_penalty"}
 _INTEGER_OPTIONS = ("top_k", "seed", "num_predict", "num_ctx", "repeat_last_n")
-_IGNORED_OPTIONS = frozenset({"num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread", "numa",
-                              "low_vram", "f16_kv", "vocab_only", "logits_all", "embedding_only", "num_keep",
-                              "draft_num_predict", "penalize_newline", "mirostat_tau", "mirostat_eta"})
+# Accepted and not applied, each of the type Ollama's api.Options gives it (issue 61: any type passed).
+_IGNORED_OPTIONS = {**dict.fromkeys(("num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "draft_num_predict"),
+                                    "integer"),
+                    **dict.fromkeys(("use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all",
+                                     "embedding_only", "penalize_newline"), "boolean"),
+                    **dict.fromkeys(("mirostat_tau", "mirostat_eta"), "number")}
 _NEUTRAL_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
 _COMMON = frozenset({"model", "stream", "format", "options", "keep_alive", "think", "speculative", "logprobs",
                      "top_logprobs", "truncate", "shift"})
@@ -194,6 +197,8 @@ def _parse_options(value: Any, n_ctx: int) -> tuple[dict, int]:
     stop = value.get("stop")
     if stop is not None and stop != []:
         fields["stop"] = stop
+    for name, kind in _IGNORED_OPTIONS.items():
+        getattr(b, kind)(name)  # its type checked, its value left to the server
     for name, neutral in _NEUTRAL_OPTIONS.items():
         v = value.get(name)
         if v is not None and v != neutral:
@@ -202,7 +207,7 @@ def _parse_options(value: Any, n_ctx: int) -> tuple[dict, int]:
     known = {*_NUMBER_OPTIONS, *_INTEGER_OPTIONS, "stop", *_IGNORED_OPTIONS, *_NEUTRAL_OPTIONS}
     unknown = sorted(k for k, v in value.items() if k not in known and v is not None)  # null: absent
     if unknown:
-        raise _error(f"unsupported option(s): {', '.join(unknown)}. See docs/server.md (Ollama API) for the "
+        raise _error(f"unsupported option(s): {', '.join(unknown)}. See docs/server.md, \"Ollama's API\", for the "
                      "options this server honours and accepts", f"options.{unknown[0]}")
     return fields, 64 if last_n is None else last_n
 
@@ -258,11 +263,16 @@ def chat_messages(value: Any) -> list[dict]:
 
 def _answered(m: dict, pending: list[tuple[str, str]], where: str) -> str:
     """The id of the call a tool message answers: its tool_call_id, else the earliest
-    unanswered call of its tool_name (else the earliest unanswered call)."""
+    unanswered call of its tool_name (without one, the earliest unanswered call). A tool_name that
+    no unanswered call has is a 400 naming it (issue 61: it answered the first pending call)."""
     if isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]:
         pending[:] = [p for p in pending if p[0] != m["tool_call_id"]]
         return m["tool_call_id"]
-    match = next((p for p in pending if p[1] == m.get("tool_name")), pending[0] if pending else None)
+    name = m.get("tool_name")
+    if name is not None and pending and not any(p[1] == name for p in pending):
+        raise _error(f"{where}.tool_name = {json_repr(name)} answers no unanswered call: the calls waiting for "
+                     f"an answer are of {', '.join(sorted({json_repr(p[1]) for p in pending}))}", f"{where}.tool_name")
+    match = next((p for p in pending if p[1] == name), pending[0] if pending else None)
     if match is None:
         raise _error(f"{where}: a tool message answers no earlier tool call (send the assistant message with its "
                      "tool_calls before it)", f"{where}.role")

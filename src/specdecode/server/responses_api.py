@@ -64,7 +64,8 @@ INCLUDE_NOTHING = frozenset({
 })
 # reasoning's fields and their values (the Responses API reference, "reasoning").
 _REASONING = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
-              "summary": ("auto", "concise", "detailed", "none"), "generate_summary": ("auto", "concise", "detailed")}
+              "summary": ("auto", "concise", "detailed", "none"),
+              "generate_summary": ("auto", "concise", "detailed", "none")}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat-field names in errors -> the Responses fields they came from.

@@ -25,11 +25,13 @@ Pure: no FastAPI, no model.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..messages import json_repr
 from .apierror import APIError
+from .toolcalls import MAX_NAME_LEN, NAME_CHARS
 
 # OpenAI's tool types that are not function tools (the Responses API reference, "Tools").
 LEFT_OUT = frozenset({
@@ -73,7 +75,7 @@ class ToolSet:
         for flat, member in self.members.items():
             if member == (namespace, name):
                 return flat
-        return f"{namespace}{SEPARATOR}{name}"  # a group no longer offered: its call keeps a distinct name
+        return _joined(namespace, str(name), self.members)  # a group no longer offered: a distinct name
 
 
 def tool_set(value: Any) -> ToolSet:
@@ -103,7 +105,7 @@ def tool_set(value: Any) -> ToolSet:
             # A member keeps its own name unless another tool has it: small models call
             # tools by the names they were shown, and Codex's members have distinct ones.
             clash = name in taken or sum(1 for _, t, ns in entries if ns is not None and t.get("name") == name) > 1
-            flat = f"{namespace}{SEPARATOR}{name}" if clash else name
+            flat = _flat_name(namespace, name, taken, f"{where}.name") if clash else name
             out.members[flat] = (namespace, name)
             taken.add(flat)
             name = flat
@@ -111,6 +113,26 @@ def tool_set(value: Any) -> ToolSet:
         out.chat.append({"type": "function", "function": {"name": name, **fn}})
         out.origin.append(where)
     return out
+
+
+def _flat_name(namespace: str, name: Any, taken: set, param: str) -> str:
+    """A clashing member's name as the model sees it: ``{namespace}__{name}``, its characters
+    outside a function name's (letters, digits, _ and -) as "_", and where that is longer than
+    64 or taken, cut and ended by 8 hex digits of a hash of both names (issue 61: a name over 64
+    characters, or a namespace with ".", got a 400 blaming a name the client never sent).
+    Raises APIError naming the member's own name where that is no function name."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or not set(name) <= NAME_CHARS:
+        raise _error(f"{param} must be a string of 1 to {MAX_NAME_LEN} letters, digits, underscores and dashes, "
+                     f"got {json_repr(name)}", param)
+    return _joined(namespace, name, taken)
+
+
+def _joined(namespace: str, name: str, taken: set | dict) -> str:
+    flat = "".join(c if c in NAME_CHARS else "_" for c in f"{namespace}{SEPARATOR}{name}")
+    if len(flat) > MAX_NAME_LEN or flat in taken:
+        digest = hashlib.sha256(f"{namespace}\0{name}".encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        flat = f"{flat[:MAX_NAME_LEN - 9]}_{digest}"
+    return flat
 
 
 def _members(tool: dict, where: str, out: ToolSet) -> list[tuple[str, dict, str]]:
