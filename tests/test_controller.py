@@ -228,6 +228,40 @@ def test_a_draft_model_that_pays_catches_up_once():
     assert sum(drive(c, accept_all=True, steps=50)) == 0
 
 
+def test_a_catch_up_that_cost_more_than_its_price_is_priced_so_from_then_on(monkeypatch):
+    """Issue 61: on a 7,260-token agent prompt a draft model that drafted in 1 of 70 steps took
+    87.5 s of a 120.6 s decode: its first catch-up cost far more than priced. The controller now
+    times each catch-up (on its clock, scripted here) and prices the next one so: a draft model
+    500 tokens behind is caught up at 2 ms a token priced (1 s, repaid within the horizon on a
+    flat target); the catch-up takes 50 s; 500 tokens behind again, it is not caught up."""
+    import specdecode.control.controller as controller_module
+
+    now = [0.0]
+    monkeypatch.setattr(controller_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+
+    class Lagging(FixedModel):
+        def __init__(self, token):
+            super().__init__(token, "model")
+            self.behind = 500
+
+        def pending(self, context):
+            return self.behind
+
+        def propose(self, context, k):
+            now[0] += 0.1 * self.behind  # 100 ms a token: 50 x what it is priced at
+            self.behind = 0
+            return super().propose(context, k)
+
+    slow_target = CostCurve(tuple(range(1, 10)), (0.2,) * 9)
+    source = Source(Lagging(7), 0.03, prefill_cost=0.002)
+    c = SpeculationController([source], slow_target, kmax=8)
+    ks = drive(c, accept_all=True, steps=3)
+    assert ks[0] > 0  # priced at 1 s: caught up at once
+    assert source.prefill_cost == pytest.approx(0.002 + 0.5 * (0.1 - 0.002), rel=0.05)  # the 50 s, observed
+    source.drafter.behind = 500  # another generation: behind again
+    assert drive(c, accept_all=True, steps=5) == [0] * 5  # 25 s priced: not repaid within the horizon
+
+
 def test_a_drafter_silenced_by_early_rejections_is_tried_again_when_its_prior_pays(monkeypatch):
     import specdecode.control.sources as sources
 

@@ -13,7 +13,7 @@ from specdecode.drafters import PredictionDrafter
 from specdecode.drafters.kinds import kind_of
 from specdecode.engine import SpeculativeEngine
 from specdecode.errors import SpecDecodeError
-from specdecode.drafters import NgramDrafter
+from specdecode.drafters import NgramDrafter, NoDrafter
 
 from conftest import ScriptedBackend, step_outcome
 
@@ -167,10 +167,15 @@ def test_engine_parity_and_counts_with_a_right_an_edited_and_a_wrong_prediction(
     assert none.stats.accepted_prediction_tokens is None
 
 
-def test_engine_refuses_a_prediction_its_drafter_cannot_follow():
-    with pytest.raises(SpecDecodeError) as e:
-        engine_run(file_of(), prediction=[2, 3], drafter=NgramDrafter(), k=4)
-    assert e.value.param == "prediction"
+def test_a_prediction_its_drafter_cannot_follow_is_ignored():
+    """A client sends ``prediction`` whatever the server drafts with (OpenAI's clients do):
+    an engine whose drafters do not follow one ignores it, as plain decoding does (issue 61:
+    ``serve --draft none`` answered 400 naming ``prediction``)."""
+    script = file_of()
+    res, _ = engine_run(script, prediction=script, drafter=NgramDrafter(), k=4)
+    assert res.token_ids == script and res.stats.accepted_prediction_tokens is None
+    res, _ = engine_run(script, prediction=script, drafter=NoDrafter(), k=0)
+    assert res.token_ids == script and res.stats.drafted == 0
 
 
 def test_per_request_drafter_choice():

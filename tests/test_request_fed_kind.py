@@ -94,8 +94,12 @@ def test_the_kind_named_without_its_field_or_another_kind_given_it_is_refused(de
     assert e.value.param == "hint" and "none was given" in str(e.value)
     # Plain decoding ignores request-fed inputs (the page's "Compare with plain" sends them along).
     assert decoder.generate(messages=CHAT, max_tokens=4, draft="none", inputs={"hint": "x"}).stats.drafted == 0
+    # A field none of its drafters follows is ignored where the request named no drafter ...
+    assert decoder.generate(messages=CHAT, max_tokens=4, prediction="def add(a, b):").stats.accepted_prediction_tokens \
+        is None
+    # ... and refused where it named one that does not follow it.
     with pytest.raises(SpecDecodeError) as e:
-        decoder.generate(messages=CHAT, max_tokens=4, prediction="def add(a, b):")
+        decoder.generate(messages=CHAT, max_tokens=4, draft="hint", inputs={"hint": "x"}, prediction="def add(a, b):")
     assert e.value.param == "prediction" and "hint" in str(e.value)
 
 

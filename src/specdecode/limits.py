@@ -33,6 +33,7 @@ AUTO_KMAX = MAX_NUM_SPECULATIVE_TOKENS
 # from 1.37x to 1.46x and left the other categories within 0.01x.
 CONFIRM_BLOCK = 8
 COST_EMA = 0.2  # weight of the newest observation of a drafter's cost per token
+CATCH_UP_EMA = 0.5  # weight of the newest observed catch-up (few: a draft model catches up rarely)
 NEW_TEXT_KEEP = 0.5  # of a match kind's evidence, the share a new generation keeps
 # A draft model that has not seen the text must first catch up on it, a one-off cost. It is
 # paid when the drafter's steady rate repays it within this many committed tokens.

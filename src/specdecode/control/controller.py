@@ -225,6 +225,17 @@ class SpeculationController(PlannedDrafter):
             self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES, self._context_len)
         self._own_verify = seconds if n <= (self._last_rows if self._proposed and self._last is not None else 1) else None
 
+    def _catch_up_slowdown(self, s: Source, context: Sequence[int]) -> float:
+        """What the context a draft model's catch-up reads at adds to its tokens' cost: the
+        target's largest block at the middle of the text to feed over its cost at the base
+        context (its context costs: 1.0 where none are known)."""
+        pending = s.drafter.pending(context) if isinstance(s.drafter, IncrementalDrafter) else 0
+        if pending <= 0:
+            return 1.0
+        base = self._T[-1]
+        at = self._costs.at(len(context) - pending // 2).table[-1]
+        return max(1.0, float(at / base)) if base > 0 else 1.0
+
     def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[Plan]:
         """The plan of each drafter worth trying after context, unsorted: its best K at its
         estimated acceptance, or a probe."""
@@ -242,7 +253,7 @@ class SpeculationController(PlannedDrafter):
             cap = min(k, avail)
             if not (s is self._prev_source and self._prev_full or s.drafter.confirmed):
                 cap = min(cap, CONFIRM_BLOCK)
-            extra = s.catch_up(context)
+            extra = s.catch_up(context, self._catch_up_slowdown(s, context))
             k_best, rate = self.plan(s, cap, extra, estimator=est)
             if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (control/tree_plan.py)
                 k_best = tree_depth(s.drafter, k_best, cap)
@@ -316,9 +327,12 @@ class SpeculationController(PlannedDrafter):
         for plan in sorted(plans, key=lambda p: -p.rate):
             s = plan.source
             # A draft model that must first read many committed tokens times its catch-up, not its drafting.
-            t0, behind = time.perf_counter(), isinstance(s.drafter, IncrementalDrafter) and s.drafter.pending(context) > 4
+            fed = s.drafter.pending(context) if isinstance(s.drafter, IncrementalDrafter) else 0
+            t0, behind, slowdown = time.perf_counter(), fed > 4, self._catch_up_slowdown(s, context)
             draft = s.drafter.propose(context, plan.k)
             drafted_s = time.perf_counter() - t0
+            if behind:  # what the catch-up cost beside the drafting, priced so from now on
+                s.observe_catch_up(fed, drafted_s - s.step_cost - len(draft.token_ids) * s.draft_cost, slowdown)
             # A model that ran and drafted nothing: the guard counts its time as speculation that gained nothing.
             self._wasted = self._wasted or (not draft.token_ids and isinstance(s.drafter, IncrementalDrafter))
             draft, levels, first = shape_tree(draft, s, self._costs.at(self._context_len), drafted_s)  # a tree: the prefix that pays

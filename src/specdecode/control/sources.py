@@ -16,7 +16,7 @@ import numpy as np
 
 from ..drafters.base import ContinuationRule, Drafter, DraftingRequest, IncrementalDrafter, LookupDrafter
 from ..errors import SpecDecodeError
-from ..limits import COST_EMA
+from ..limits import CATCH_UP_EMA, COST_EMA
 from .costmodel import CostCurve, DraftStepCost, ObservedCurve, curve_table
 from .tree_plan import TreeCalibration
 from .estimators import (MATCH_PRIORS, AcceptanceEstimator, FeatureEstimator, LogisticAcceptance, StepFeatures,
@@ -233,12 +233,21 @@ class Source:
 
         return keep
 
-    def catch_up(self, context: Sequence[int]) -> float:
+    def catch_up(self, context: Sequence[int], slowdown: float = 1.0) -> float:
         """Seconds this drafter needs before it can draft after ``context`` (a draft model must
-        first feed every committed token it has not seen)."""
+        first feed every committed token it has not seen): its tokens at ``prefill_cost``, times
+        ``slowdown``, what the context the catch-up reads at adds to a forward (the target's,
+        from its context costs: a model's prompt tokens cost more the more they attend to)."""
         if not isinstance(self.drafter, IncrementalDrafter):
             return 0.0
-        return self.drafter.pending(context) * self.prefill_cost
+        return self.drafter.pending(context) * self.prefill_cost * slowdown
+
+    def observe_catch_up(self, tokens: int, seconds: float, slowdown: float = 1.0) -> None:
+        """A proposal first fed ``tokens`` committed tokens, in ``seconds`` beside its drafting:
+        prefill_cost follows what a token really cost (issue 61: on a 7,260-token agent prompt a
+        draft model's first catch-up took most of 87.5 s of drafting, far above its price)."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_cost += CATCH_UP_EMA * (seconds / (tokens * max(slowdown, 1.0)) - self.prefill_cost)
 
     @property
     def name(self) -> str:
@@ -300,11 +309,15 @@ class SourceSet:
     def configure(self, request: DraftingRequest) -> None:
         """The request's choice (:meth:`restrict`), and each request-fed input handed to the
         allowed sources that follow its field. Raises SpecDecodeError naming ``draft`` or the
-        input's field."""
+        input's field. An input that none of the engine's own drafters follows (the request
+        named no drafter) is ignored, as plain decoding ignores it: a client sends a
+        ``prediction`` whatever the server drafts with (issue 61)."""
         self.restrict([request.draft] if request.draft is not None else None, fixed=request.fixed)
         allowed = [s for s in self.all if self.allows(s)]
         for name, ids in request.inputs.items():
             takers = [s for s in allowed if name in s.drafter.request_fields]
+            if not takers and request.draft is None:
+                continue
             if not takers:
                 raise SpecDecodeError(f"a {name} needs a drafter that follows one (draft 'auto' or the kind that reads "
                                       f"it); this one drafts with {', '.join(s.name for s in allowed)}", param=name)

@@ -28,7 +28,7 @@ Dimension letters: K = drafted tokens, V = vocabulary size, L = context length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import copy
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Protocol, Sequence
@@ -273,8 +273,9 @@ class DrafterBase(ABC):
     tree_nodes = 0
 
     def configure(self, request: DraftingRequest) -> None:
-        """Refuses what one drafter cannot serve; a drafter with ``request_fields`` takes its
-        inputs in :meth:`take_inputs`."""
+        """Refuses what one drafter cannot serve (an input it does not follow, where the request
+        named it; where the request named none, such an input is ignored, as plain decoding
+        ignores it); a drafter with ``request_fields`` takes its inputs in :meth:`take_inputs`."""
         if request.planned and not self.plans_k:
             raise SpecDecodeError(f"draft 'auto' needs the cost-aware controller (-k auto); this engine drafts with "
                                   f"{self.name!r} at a fixed K", param="draft")
@@ -283,11 +284,12 @@ class DrafterBase(ABC):
                                   f"{', '.join(map(repr, self.names()))} only (a request chooses among the drafters "
                                   f"its Decoder loaded)", param="draft")
         for name in request.inputs:
-            if name not in self.request_fields:
+            if name not in self.request_fields and request.draft is not None:
                 raise SpecDecodeError(f"a {name} needs a drafter that follows one (draft 'auto' or the kind that "
                                       f"reads it); this one drafts with {', '.join(self.names())}", param=name)
-        if request.inputs:
-            self.take_inputs(request)
+        inputs = {k: v for k, v in request.inputs.items() if k in self.request_fields}
+        if inputs:
+            self.take_inputs(replace(request, inputs=inputs))
 
     def take_inputs(self, request: DraftingRequest) -> None:
         """This generation's request-fed inputs (``request.inputs``, only fields of its
