@@ -89,6 +89,31 @@ def test_a_cached_prompt_steps_at_once_and_a_strict_one_reads_whole():
     eng.end(strict)
 
 
+def test_a_seeded_or_strict_prompt_reuses_the_whole_calls_a_fresh_prefill_makes():
+    """Issue 61: a seed threw the whole cache away (Codex's 9,148-token request read again, 420 s).
+    A batch-invariant generation now keeps the cells that a fresh prefill computes alike: whole
+    calls of the target's prefill split (llama.cpp's n_batch) from position 0 that are also in
+    the common prefix; a prefix read from elsewhere (a call not starting on a split) is not."""
+    prompt, script = list(range(2, 16)), [5, 6, 7]  # 13 prompt tokens read, in calls of 4 from 0
+    t = scripted(len(prompt), script)
+    t.prefill_split, t.invariant_block = 4, 4  # the block known (cached, or measured by an earlier request)
+    eng = SpeculativeEngine(t, OracleDrafter(t), num_speculative_tokens=2, invariance=lambda target, seq: 4)
+    eng.generate(prompt, max_tokens=3)
+    t.forward_calls.clear()
+    other = prompt[:10] + [17, 18, 19, 16]  # shares 10 tokens: whole calls [0, 4) and [4, 8)
+    strict = eng.generate(other, max_tokens=3, batch_invariant="on")
+    assert strict.stats.prompt_cached == 8 and t.forward_calls[0] == len(other) - 1 - 8
+    # Its cells after 8 came from a call that began on a split: canonical, so the same prompt again
+    # keeps all 13 (the same calls, the last one too) ...
+    assert eng.generate(other, max_tokens=3, batch_invariant="on").stats.prompt_cached == 13
+    # ... but a prefix read from position 5 (a call not on a split) is not: only [0, 4) is kept.
+    eng.generate(prompt[:5] + [9] * 8 + [16], max_tokens=3)
+    assert eng.generate(prompt[:5] + [9] * 8 + [16], max_tokens=3, batch_invariant="on").stats.prompt_cached == 4
+    # Without a split (one call reads any prompt: rows' arithmetic depends on the call), nothing.
+    t.prefill_split = None
+    assert eng.generate(other, max_tokens=3, batch_invariant="on").stats.prompt_cached == 0
+
+
 # --- the chunk size ---------------------------------------------------------------------------
 
 def test_chunks_cost_a_few_steps_while_others_decode_and_whole_splits_alone():

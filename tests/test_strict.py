@@ -86,6 +86,31 @@ def test_strict_is_refused_in_a_shared_cache():
         assert "--strict" in r.json()["error"]["message"]
 
 
+def test_a_seeded_prompt_reuses_the_calls_a_fresh_prefill_makes_and_keeps_its_text():
+    """Issue 61: a seed threw the cache away even with one slot. A seeded (batch-invariant)
+    generation keeps the whole 512-token calls from position 0 of a prefix an earlier request
+    read, and gives the tokens it gives from an empty cache; the prefix the unseeded request in
+    between extended from an unaligned position is not reused past its last whole call."""
+    import inspect
+    import textwrap as module
+
+    doc = inspect.getsource(module)[:6000]
+    ask = lambda q: [{"role": "system", "content": "Answer about this code:\n" + doc},  # noqa: E731
+                     {"role": "user", "content": q}]
+    seeded = dict(max_tokens=32, temperature=0.9, seed=7)
+    with Decoder(target=SMOLLM, draft="ngram", num_speculative_tokens=4, n_ctx=4096, progress=False) as dec:
+        n = len(dec.prompt_ids(messages=ask("Summarise it.")))
+        assert n > 1100 and dec.target.prefill_split == 512
+        dec.engine.forget_prefix()
+        fresh = dec.generate(messages=ask("Summarise it."), **seeded)
+        assert fresh.stats.prompt_cached == 0 and fresh.stats.invariant_block >= 2
+        between = dec.generate(messages=ask("Which functions does it define?"), max_tokens=8, temperature=0)
+        assert between.stats.prompt_cached > 1024  # unseeded: the whole common prefix
+        again = dec.generate(messages=ask("Summarise it."), **seeded)
+        assert again.stats.prompt_cached == (between.stats.prompt_cached // 512) * 512
+        assert again.token_ids == fresh.token_ids
+
+
 def test_strict_with_a_cache_per_slot_speculates_and_equals_solo_plain_decoding(solo):
     with Decoder(target=SMOLLM, draft="ngram", num_speculative_tokens=8, n_ctx=1024, parallel=8,
                  kv_per_sequence=True, progress=False) as dec:

@@ -149,8 +149,8 @@ class SpeculativeEngine:
             if plain:
                 gen.k, gen.drafter = 0, self._plain
             out.stats.invariant_block = block if gen.invariant else 1 if plain else 0  # 1: plain steps
-        if gen.invariant:
-            where.forget()  # no reuse: the prompt is prefilled as a fresh start would
+        if gen.invariant:  # reuse only cells a fresh prefill computes alike: whole calls from 0
+            where.cached_len = min(where.cached_len, where.invariant_reusable(prompt_ids, self.target.prefill_split))
         self.forwards.set_invariant(gen.invariant)
         gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target,
                                      trees_allowed(sampler, gen.invariant))
@@ -199,6 +199,7 @@ class SpeculativeEngine:
             slot.forget()  # until the forward succeeds
             self._read(slot.seq, committed[start:start + n], gen.drafter, hidden_last=start + n == end)
             slot.tokens, slot.cached_len = committed, start + n
+            slot.note_read(start, n, self.target.prefill_split)
         if slot.cached_len == end:
             gen.prefilling = False
             gen.out.decode_started = time.perf_counter()
@@ -363,6 +364,7 @@ class SpeculativeEngine:
         if len(committed) - 1 > keep:
             self._read(slot.seq, committed[keep:-1], drafter, hidden_last=True)
         slot.tokens, slot.cached_len = committed, len(committed) - 1
+        slot.note_read(keep, len(committed) - 1 - keep, self.target.prefill_split)
         return keep, shifted
 
     def _start_prefill(self, slot: Slot, committed: list[int], reuse: int = 0) -> tuple[int, int]:
@@ -373,6 +375,7 @@ class SpeculativeEngine:
         keep = slot.reusable(committed)
         cached, cached_len = slot.tokens, slot.cached_len  # (the list itself: forget() rebinds, never mutates)
         slot.forget()
+        slot.canonical = min(slot.canonical, keep)  # what follows is rolled back, or shifted into place
         shifted = 0
         if reuse > 0 and keep < len(committed) - 1:
             keep, shifted = reuse_chunks(self.target, slot.seq, cached[:cached_len], committed[:-1], keep, reuse)

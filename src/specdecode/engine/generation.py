@@ -59,6 +59,11 @@ class Slot:
         across generations). tokens is the running generation's committed list itself, so a
         step moves a length instead of copying the context.
     gen: the generation running in it, or None when free.
+    canonical: cells [0, canonical) were read by prompt forwards whose calls began at 0 and at
+        every multiple of the target's ``prefill_split`` (the calls a fresh prefill makes), so
+        the whole calls among them hold what a fresh prefill of the same tokens computes, bit
+        for bit: what a batch-invariant generation may reuse (:meth:`invariant_reusable`).
+        Moved by :meth:`note_read` and, when a prefill rolls the cache back, cut to what stays.
     """
 
     seq: int
@@ -68,11 +73,30 @@ class Slot:
     cached_len: int = 0
     gen: Generation | None = None
     last_used: int = 0
+    canonical: int = 0
 
     def reusable(self, prompt_ids: Sequence[int]) -> int:
         """How much of the cache a generation of prompt_ids [L] keeps: the common prefix of
         the cached tokens and prompt_ids[:-1] (the last prompt token is fed with the first step)."""
         return common_prefix_len(self.tokens, prompt_ids, min(self.cached_len, len(prompt_ids) - 1))
+
+    def invariant_reusable(self, prompt_ids: Sequence[int], split: int | None) -> int:
+        """How much of the cache a batch-invariant generation (a seed, strict mode) keeps: the
+        whole calls of ``split`` tokens from position 0 that are both canonical and in the
+        common prefix, so that its prompt's cells are a fresh prefill's (issue 61: a seed threw
+        the whole cache away); 0 without a split (a backend that reads a prompt in one call)."""
+        if not split:
+            return 0
+        keep = min(self.canonical, self.reusable(prompt_ids))
+        if keep == self.canonical == len(prompt_ids) - 1:
+            return keep  # the same prompt read again: the same calls, its last one too
+        return keep // split * split
+
+    def note_read(self, start: int, n: int, split: int | None) -> None:
+        """n prompt tokens were read from position start in one forward (calls of split from
+        start): canonical grows where they continue it from a call boundary."""
+        if split and start == self.canonical and start % split == 0:
+            self.canonical = start + n
 
     def forget(self) -> None:
         """Nothing cached is reused (the cache itself is rolled back by the next prefill)."""
