@@ -19,6 +19,7 @@ import pytest
 from specdecode.api import Decoder
 from specdecode.cli import build_parser
 from specdecode.control import costcache, measure
+from specdecode.control.calibration import Calibration
 from specdecode.control.costmodel import CostCurve
 from specdecode.limits import COST_CURVE_NS
 from specdecode.options import decoder_kwargs
@@ -360,3 +361,91 @@ def test_measuring_on_a_scratch_twin_keeps_an_editors_cached_prompt(cache):
             assert len(target.twins) == 1 and target.twins[0].closed and target.twin_forwards > 100
             assert costcache.cost_cache_path(target, cal.cache_dir).exists()
         dec.close()
+
+
+class PartsOnTheClock:
+    """A stand-in for the decoder's Calibration: never done, each part takes ``part_s`` on the
+    target's scripted clock and is logged with the clock's time; ``private`` as a scratch twin
+    makes it (its parts leave the slots alone)."""
+
+    def __init__(self, target, private: bool, part_s: float = 0.2) -> None:
+        self.target, self.private, self.part_s, self.at = target, private, part_s, []
+        self.pending, self._budget = True, 0.0
+
+    between_steps = Calibration.between_steps  # the rule under test, on this stand-in
+
+    def run_one(self) -> None:
+        self.at.append(self.target.now)
+        self.target.now += self.part_s
+
+    def before_generation(self, options):
+        return options
+
+    def measuring(self) -> list[str]:
+        return ["cost curve"] if self.pending else []
+
+    def close(self) -> None:
+        self.pending = False
+
+    error = None
+
+
+def test_a_measurement_on_a_scratch_twin_takes_its_share_between_a_streams_steps(cache):
+    """Issue 61: under steady traffic a measurement was still pending after 425 s, nothing
+    drafting meanwhile; an editor's server measured only after 548 s of idle. Measured on a
+    scratch twin, parts run between a running generation's steps, within MEASURE_SHARE of the
+    time served (judged on the scripted clock), and never wait for idle while a slot holds a
+    long prompt. Negative control: parts that would touch the slots run only when idle."""
+    from test_chunked_prefill import MODEL as CLOCKED, ClockedBytes as Clocked
+    from specdecode.control.calibration import MEASURE_SHARE
+    from specdecode.server.worker import KEEP_CACHE_TOKENS
+
+    for private in (True, False):
+        target = Clocked(n_seq=1)
+        dec = Decoder(target=target, draft="none", num_speculative_tokens=0, progress=False)
+        fake = dec.calibration = PartsOnTheClock(target, private)
+        app = create_app(dec)
+        worker = app.state.worker
+        worker.clock, worker.keep_cache_s = target.clock, 3600.0
+        fake.pending = False  # nothing to measure while the server starts
+        with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            fake.pending = True
+            start = target.now
+            body = {"model": CLOCKED, "prompt": "x" * (KEEP_CACHE_TOKENS + 8), "max_tokens": 400, "temperature": 0}
+            assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 400
+            during = [t for t in fake.at if t < target.log[-1][4]]
+            if private:
+                served = target.log[-1][4] - start
+                assert len(during) >= 10  # the stream's steps left room for parts all along
+                assert len(during) * fake.part_s <= MEASURE_SHARE * served + fake.part_s
+                assert worker._keep_cache_for() == 0.0  # and idle time is not held back for the slot
+            else:
+                assert during == [] and worker._keep_cache_for() > 0  # only when idle, after keep_cache_s
+            fake.pending = False
+        dec.close()
+
+
+def test_generate_plans_with_a_stale_cached_curve_at_once_and_checks_it_between_steps(cache):
+    """Issue 61: with both cores busy, ``specdecode generate`` re-measured a cached curve at 33
+    sizes for over 7 minutes before its first token. The Python API (and so ``generate`` and
+    ``bench``) now plans with a cached curve at once, stale or not, and checks it between the
+    steps of its own streams on a scratch twin; busy, the check keeps the curve."""
+    target = TwinnedBytes()
+    target.name = "bytes, stale"
+    cached = CostCurve(NS, tuple(2 * s for s in SCRIPTED.seconds))
+    write_cache(target, cache, cached, stale="observed 2.0x the measured curve")
+    dec = Decoder(target=target, draft="ngram", num_speculative_tokens="auto", progress=False)
+    dec.clock, dec.calibration.timer, dec.calibration.cpu_times = target.clock, target.clock, Load(0.9)
+    assert dec.calibration.pending and dec.drafter.target_cost.base == cached
+    assert target.sizes == [] and target.twin_forwards == 0  # nothing timed before the first token
+    dec.generate("hello", max_tokens=4)
+    assert target.twin_forwards <= 2  # at most a part or two, within its share of the steps
+    for _ in range(500):
+        if not dec.calibration.pending:
+            break
+        dec.generate("hello", max_tokens=4)
+    assert not dec.calibration.pending and dec.calibration.error is None
+    assert target.twin_forwards == 1 + 3 * 4  # the check's context, 3 sizes' warm-ups and 3 rounds
+    assert dec.drafter.target_cost.base == cached  # busy: kept
+    assert target.twins[0].closed
+    dec.close()

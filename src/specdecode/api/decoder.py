@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 
@@ -86,7 +87,9 @@ class Decoder:
         server's worker, between requests); until then the controller plans with the cached
         curve or a conservative one (plain decoding), and strict and seeded generations run
         plain one-token steps (:class:`specdecode.control.calibration.Calibration`). Without
-        it (the default) they are measured before the first generation that needs them.
+        it (the default) what the cache lacks is measured before the first generation that
+        needs it, and a cached curve to be checked is planned with at once and checked between
+        the steps of this Decoder's streams (on a scratch twin, within MEASURE_SHARE).
 
     Threads: a Decoder may be shared between threads. Its calls are serialised (one lock
     around each begin, step and end, and each tokenization unless the target's tokenizer is
@@ -145,9 +148,11 @@ class Decoder:
             _say(("specdecode: warning: " if self.context.warning else "specdecode: ") + self.context.note)
         if progress and not isinstance(target, Backend):
             _say_placement(self.target, gpu_layers)
-        # What is measured between a server's requests (None: up front, as needed).
-        self.calibration = Calibration(self.target, registry.cache_dir(), say=_say if progress else None) \
-            if background_costs else None
+        # What is measured between requests or steps: with background_costs, all of it; else what
+        # the cache holds but must check (a stale or suspect curve), while what it lacks is measured now.
+        self.calibration = Calibration(self.target, registry.cache_dir(), say=_say if progress else None,
+                                       up_front=not background_costs)
+        self.clock: Callable[[], float] = time.perf_counter  # what steps and parts are timed with (a test's own)
         try:
             self.engine = make_speculation(choice, self.target, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
                                            backend=draft_backend, dtype=dtype, device=device, draft_vocab=draft_vocab,
@@ -175,6 +180,7 @@ class Decoder:
                 return
             self._closed = True
             self._lock.notify_all()
+        self.calibration.close()  # its scratch twin before the target it was made from
         self.drafter.close()
         self.target.close()
         release_backends(self._given)
@@ -273,8 +279,19 @@ class Decoder:
 
     def _stream(self, ids: list[int], options: GenerationOptions) -> Iterator[str | GenerationResult]:
         # A stream abandoned after close() has nothing left to free.
-        yield from drive(self.begin(prompt_ids=ids, options=options), self.step,
+        yield from drive(self.begin(prompt_ids=ids, options=options), self._step_and_measure,
                          lambda gen: [] if self._closed else self.end(gen))
+
+    def _step_and_measure(self, gens: Sequence[Generation]) -> list[TextDelta]:
+        """:meth:`step`, then a part of a pending check of the cost curve within its share of the
+        time (:meth:`.Calibration.between_steps`), so that a curve to be checked never delays the
+        first token (issue 61: a busy machine re-measured a cached curve for 7 minutes first)."""
+        started = self.clock()
+        deltas = self.step(gens)
+        with self._lock:
+            if not self._closed:
+                self.calibration.between_steps(self.clock() - started, self.clock)
+        return deltas
 
     def begin(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
               prompt_ids: Sequence[int] | None = None, options: GenerationOptions | None = None,

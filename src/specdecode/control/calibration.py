@@ -34,19 +34,25 @@ from typing import Any, Callable, Generator, Sequence
 from ..backends.base import Backend
 from ..errors import SpecDecodeError
 from ..limits import MAX_NUM_SPECULATIVE_TOKENS
-from .context_costs import (BASE_CONTEXT, CONTEXTS, ContextCosts, cached_context_costs_steps, context_cost_steps,
-                            fitting, read_cached_context_costs)
+from .context_costs import (BASE_CONTEXT, CONTEXTS, ContextCosts, cached_context_costs, cached_context_costs_steps,
+                            context_cost_steps, fitting, read_cached_context_costs)
 from .costcache import cached_measurement_steps, read_cached
 from .costmodel import CostCurve, ObservedCurve
-from .invariance import invariant_steps, read_invariant_block, write_invariant_block
+from .invariance import cached_invariant_block, invariant_steps, read_invariant_block, write_invariant_block
 from . import measure
-from .measure import CpuTimes, Measurement, curve_steps, measure_forward_curve
+from .measure import CpuTimes, Measurement, curve_steps, drive, measure_forward_curve
 from .sources import SharedCosts
 
 # The one-token forwards timed for a conservative curve's T(1) (after one untimed), after this
 # many cached tokens: a fraction of a second on the slowest machine measured.
 CONSERVATIVE_ROUNDS = 3
 CONSERVATIVE_CONTEXT = 8
+# While generations run, a measurement on a scratch twin (no slot's cache is touched) takes a part
+# between two steps whenever its parts so far have used less than this share of the time stepped
+# (the server's worker, a Decoder's own streams): steady traffic never keeps it from measuring
+# (issue 61: with a request every 3 s the context costs were still pending after 425 s, and
+# nothing drafted meanwhile).
+MEASURE_SHARE = 0.1
 # The scratch twin's cells: the longest context costs measure, the largest block after it, slack.
 SCRATCH_N_CTX = BASE_CONTEXT + max(CONTEXTS) + MAX_NUM_SPECULATIVE_TOKENS + 1 + 64
 
@@ -77,8 +83,10 @@ class Calibration:
     """
 
     def __init__(self, target: Backend, cache_dir: Path, say: Callable[[str], None] | None = None,
-                 timer: Callable[[], float] | None = None, cpu_times: CpuTimes | None = None) -> None:
+                 timer: Callable[[], float] | None = None, cpu_times: CpuTimes | None = None,
+                 up_front: bool = False) -> None:
         self.target = target
+        self.up_front = up_front
         self.cache_dir = Path(cache_dir)
         self.say = say
         self.timer = timer or time.perf_counter
@@ -91,6 +99,7 @@ class Calibration:
         self._scratch: Any = None  # the target's scratch twin while measuring (:meth:`_measured`)
         self._report: Callable[[str], None] = lambda note: None
         self._note = ""
+        self._budget = 0.0  # seconds of measuring owed to the steps run (between_steps)
         self.invariant_block = read_invariant_block(target, self.cache_dir)  # None: not known yet
 
     # -- what the controller and the engine plan with meanwhile --------------------------------
@@ -103,6 +112,8 @@ class Calibration:
         on_drift: what live step times that contradict the curve report to, from the measured
         curve on (not while planning with a curve that is about to be replaced)."""
         cached, need = read_cached(self.target, ns, self.cache_dir)
+        if cached is None and self.up_front:  # nothing to plan with: measured now, once per model and machine
+            cached, need = drive(cached_measurement_steps(self.target, ns, self.cache_dir, on_measure=self._on_measure)), "use"
         if cached is not None and need == "use":
             self._note = cached.note()
             shared = SharedCosts(ObservedCurve(cached.curve), n_max, on_drift)
@@ -135,6 +146,8 @@ class Calibration:
         """Plan at each request's context: with the cached context costs, or once they are
         measured (a job after the curve's; nothing where the window is too short for them)."""
         cached = read_cached_context_costs(self.target, self.cache_dir)
+        if cached is None and self.up_front:
+            cached = cached_context_costs(self.target, self.cache_dir, self._on_measure_context)
         if cached is not None or not fitting(self._measured())[0]:
             self._release_if_idle()
             shared.set_context_costs(cached)
@@ -148,8 +161,10 @@ class Calibration:
             self._tell("specdecode: what a long context adds to a forward is measured: steps are planned at their "
                        "request's context from now on")
 
-        steps = cached_context_costs_steps(self._measured(), self.cache_dir,
-                                           measure=lambda b: context_cost_steps(b, timer=lambda: self.timer()))
+        # Its context read MAX_NUM_SPECULATIVE_TOKENS + 1 tokens a part, so that no part (they run
+        # between a stream's steps too) costs more than the largest verification block.
+        steps = cached_context_costs_steps(self._measured(), self.cache_dir, measure=lambda b: context_cost_steps(
+            b, chunk=MAX_NUM_SPECULATIVE_TOKENS + 1, timer=lambda: self.timer()))
         self._jobs.append(_Job("context costs", steps, done))
 
     def report_to(self, controller: Any) -> None:
@@ -161,6 +176,8 @@ class Calibration:
     def invariance(self, target: Backend, seq: int) -> int:
         """The engine's ``invariance``: the cached invariant block where known, else 1 (plain
         one-token steps, exactly strict) while the block is measured between requests."""
+        if self.invariant_block is None and self.up_front:
+            self.invariant_block = cached_invariant_block(target, seq, self.cache_dir)
         if self.invariant_block is not None:
             return self.invariant_block
         self._want_invariance()
@@ -172,7 +189,7 @@ class Calibration:
         invariant block is not known, so that the seed's text is the one it will be once it is:
         plain one-token steps, where "auto" would otherwise verify as usual."""
         self._touched = True
-        if not options.invariant or self.invariant_block is not None or self.target.kv_shared:
+        if not options.invariant or self.invariant_block is not None or self.target.kv_shared or self.up_front:
             return options
         self._want_invariance()
         return replace(options, batch_invariant="on") if options.batch_invariant == "auto" else options
@@ -187,6 +204,12 @@ class Calibration:
     def pending(self) -> bool:
         """Whether anything is left to measure (a failed measurement leaves nothing)."""
         return bool(self._jobs)
+
+    @property
+    def private(self) -> bool:
+        """Whether the parts run on a scratch twin of the target (a KV cache of its own): they
+        then leave every slot's cached prompt alone, and may run between a generation's steps."""
+        return self._scratch is not None
 
     def measuring(self) -> list[str]:
         """What is being measured, for /health: "cost curve", "context costs", "invariant block"
@@ -220,6 +243,32 @@ class Calibration:
             self._touched = False
             self.parts += 1
             self._release_if_idle()
+
+    def between_steps(self, step_s: float, clock: Callable[[], float]) -> None:
+        """Told after each step of running generations (step_s: its seconds on ``clock``): one
+        part of a pending measurement on the scratch twin whenever the parts so far used less
+        than MEASURE_SHARE of the time stepped; nothing for one on the target itself, which
+        would overwrite the running generations' caches."""
+        if not self.pending or not self.private:
+            return
+        self._budget = min(self._budget + MEASURE_SHARE * step_s, MEASURE_SHARE)
+        if self._budget > 0:
+            started = clock()
+            self.run_one()
+            self._budget -= clock() - started
+
+    def close(self) -> None:
+        """Stop measuring and free the scratch twin (before the target it was made from)."""
+        self._jobs.clear()
+        self._release_if_idle()
+
+    def _on_measure(self, ns: Sequence[int]) -> None:
+        self._tell(f"specdecode: measuring the target's forward time T(n) at {len(ns)} sizes, once per model and "
+                   "machine (cached: later starts skip it)...")
+
+    def _on_measure_context(self) -> None:
+        self._tell("specdecode: measuring what a long context adds to the target's forward time, once per model and "
+                   "machine (cached: later starts skip it)...")
 
     def _release_if_idle(self) -> None:
         """With nothing left to measure, the scratch twin's memory back."""

@@ -92,6 +92,7 @@ class Worker:
         self.clock: Callable[[], float] = time.perf_counter  # what the chunker's costs are timed with
         self.keep_cache_s = KEEP_CACHE_S  # see _keep_cache_for
         self._idle_since = float("-inf")  # when the last request ended (time.monotonic)
+        self._slot_owner: dict[int, Any] = {}  # slot (sequence) -> the owner of the job that used it last
         self.metrics = metrics_factory(self)
 
     def queue_len(self) -> int:
@@ -200,7 +201,10 @@ class Worker:
                         self._guarded(r, self._cancelled)
                     elif r.job.events.unread > self.options.max_unread_bytes:
                         self._unread_over(r)
+                started = self.clock()
                 self._step()
+                if calibration is not None:
+                    calibration.between_steps(self.clock() - started, self.clock)
             except BaseException as e:  # never let the worker die: the next request must be served
                 for r in list(self._active):
                     self._fail(r, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
@@ -210,6 +214,9 @@ class Worker:
         slots cached): while a slot holds a prompt of KEEP_CACHE_TOKENS or more, until
         ``keep_cache_s`` after the last request ended, so that an agent's next turn, seconds
         later, still reuses it; else none."""
+        calibration = getattr(self.decoder, "calibration", None)
+        if calibration is not None and calibration.private:
+            return 0.0  # it measures on a context of its own: nothing cached is lost (issue 61: 548 s idle first)
         if max((s.cached_len for s in self.decoder.engine.slots), default=0) < KEEP_CACHE_TOKENS:
             return 0.0
         return self.keep_cache_s - (time.monotonic() - self._idle_since)
@@ -261,12 +268,27 @@ class Worker:
         opened = (lambda: r.job.post(Started(r.index))) if r.job.req.stream and r.index == 0 else None
         r.gen = self.decoder.begin(prompt_ids=p.ids, options=r.job.req.choice_options(r.index, p.max_tokens, p.inputs, p.cache_reuse),
                                    accepted=opened, chunked=True)  # read by _step, a chunk at a time
+        self._hide_others_cache(r)
         # A request kind's own stop rule (an /infill request's, :class:`.infill.InfillGenRequest`),
         # started once the prompt is read: llama.cpp times generation from there.
         watch = getattr(r.job.req, "watch", None)
         if watch is None and r.job.req.tools is not None:  # a bound on the calls (:meth:`.tools.ToolRequest.watch`)
             watch = r.job.req.tools.watch
         r.watch = watch(self.decoder.target.token_bytes) if watch is not None else None
+
+    def _hide_others_cache(self, r: _Running) -> None:
+        """A prompt's reuse of a slot that another client wrote last is kept but not reported:
+        ``cached_tokens`` (and every count made from it: Ollama's ``prompt_eval_count``,
+        /infill's ``prompt_n``, the ``speculation`` object) says 0, so that a client cannot
+        probe another's prompt token by token (issue 61: a guessed PIN in another client's
+        system prompt showed as 50 of 51 cached tokens, a near miss as 16-18). A client is its
+        :attr:`.jobs.Job.owner`; the /metrics counter still counts the reuse."""
+        stats, seq = r.gen.out.stats, r.gen.slot.seq
+        last, self._slot_owner[seq] = self._slot_owner.get(seq), r.job.owner
+        if last is not None and last != r.job.owner and (stats.prompt_cached or stats.prompt_shifted):
+            if r.index == 0:
+                self.metrics.prompt_tokens_cached.inc(stats.prompt_cached or 0)
+            stats.prompt_cached = stats.prompt_shifted = 0
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
         self._release(r)
