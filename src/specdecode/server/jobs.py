@@ -108,6 +108,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     arrival: float
     prepared: Prepared | None = None  # None: prepared on the worker thread when admitted
+    owner: Any = None  # who sent it (:func:`.runner.owner_of`): a slot's reuse is reported within one owner
     events: EventQueue = field(default_factory=EventQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -44,7 +44,10 @@ _COMMON_FIELDS = frozenset({
     "stream_options", "logprobs", "n", "user", "response_format", "speculative",
 })  # and the request fields that feed a drafter kind (kinds.request_fields(): prediction, ...)
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+# prompt_cache_key and safety_identifier (OpenAI's, beside user): who a request is for, which is
+# what keeps a slot's reuse of another client's prompt out of the usage (runner.owner_of).
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                                 "prompt_cache_key", "safety_identifier"}
 # Standard fields accepted only at the value that asks for nothing beyond what is served.
 _HARMLESS_DEFAULTS: dict[str, Any] = {
     "echo": False, "best_of": 1, "logit_bias": {}, "tools": [],
@@ -207,7 +210,8 @@ def parse_request(body: Any, kind: str, model_name: str, n_ctx: int,
     tools = parse_tools(body, tool_format) if kind == "chat" else None
     if tools is not None:
         grammar = tools.grammar()
-    b.string("user")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        b.string(name)
     suffix = b.string("suffix")  # completions only (_check_fields): the code after the cursor
     fim = FimInput(prompt, suffix) if suffix is not None else None
     try:

@@ -12,6 +12,7 @@ The dialects are listed in :mod:`.dialects`; adding an API is one module with on
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import contextlib
 import time
 from abc import ABC, abstractmethod
@@ -256,7 +257,7 @@ class RouteRunner:
                       415: "unsupported_media_type", 503: "shutting_down"}.get(e.status, "invalid_request")
             server.metrics.rejected.labels(reason=reason).inc()
             raise
-        job = Job(req, asyncio.get_running_loop(), arrival, prepared)
+        job = Job(req, asyncio.get_running_loop(), arrival, prepared, owner=owner_of(request, body))
         if not server.worker.submit(job):
             if server.worker.stopping:
                 raise APIError(503, "the server is shutting down", type="server_error")
@@ -265,3 +266,23 @@ class RouteRunner:
             raise APIError(429, f"the server is busy: {slots + queue} requests are running or waiting ({slots} "
                            f"slots, max_queue = {queue}); retry later", type="rate_limit_error", code="queue_full")
         return job
+
+
+# What tells one client from another (besides its address): the credential it presents and the
+# identity fields of the APIs (OpenAI's user, safety_identifier and prompt_cache_key; Anthropic's
+# metadata.user_id). Ollama's API and llama.cpp's /infill have none: the address and key alone.
+_CREDENTIAL_HEADERS = ("authorization", "x-api-key")
+_IDENTITY_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
+
+
+def owner_of(request: Request, body: Any) -> str:
+    """Who sent a request, as a digest: the client's address, the credential it presented and
+    its body's identity fields. A slot's cached prefix written by another owner is reused but
+    not reported (:meth:`.worker.Worker._hide_others_cache`)."""
+    parts = [request.client.host if request.client else ""]
+    parts += [request.headers.get(h, "") for h in _CREDENTIAL_HEADERS]
+    if isinstance(body, dict):
+        parts += [v if isinstance(v := body.get(k), str) else "" for k in _IDENTITY_FIELDS]
+        meta = body.get("metadata")
+        parts.append(meta["user_id"] if isinstance(meta, dict) and isinstance(meta.get("user_id"), str) else "")
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
