@@ -3,7 +3,8 @@
 having measured its own attention path. What changes the arithmetic (the attention path, the
 weights' buffers, the prompt's calls) is now chosen once per machine and model, whatever the
 context size and slot count: two processes with different ``n_ctx`` and ``parallel`` give the
-same greedy tokens, and a seeded sampled run the same text.
+same greedy tokens, and a seeded sampled run the same text; a curve measured at one context
+size serves another (the cost cache's key holds no context size).
 
 The processes share a fresh model cache directory and run with the attention path unpinned
 (the suite pins it elsewhere): the first chooses it by measurement and caches it, the second
@@ -28,7 +29,8 @@ with Decoder(target=sys.argv[4], draft="ngram", num_speculative_tokens="auto", n
              progress=False) as dec:
     r = dec.generate(messages=[{"role": "user", "content": "Write a Python function that merges two sorted lists."}],
                      **options)
-    print(json.dumps({"ids": r.token_ids, "weights": dec.target.weights_note}))
+    from specdecode.control.costcache import machine_key
+    print(json.dumps({"ids": r.token_ids, "weights": dec.target.weights_note, "key": machine_key(dec.target)}))
 """
 
 
@@ -48,5 +50,8 @@ def test_two_processes_with_other_contexts_and_slots_give_the_same_text(tmp_path
     b = run(tmp_path, 2048, 2, **greedy)
     assert a["ids"] == b["ids"] and len(a["ids"]) > 16
     assert a["weights"] == b["weights"]  # the same path and buffers, named alike
+    assert a["key"] != b["key"]  # (two slots share one buffer: a curve of their own) ...
+    c = run(tmp_path, 2048, 1, **greedy)
+    assert c["ids"] == a["ids"] and c["key"] == a["key"]  # ... one slot at any context: one curve, cached once
     seeded = dict(max_tokens=48, temperature=0.8, seed=5)
     assert run(tmp_path, 2048, 2, **seeded)["ids"] == run(tmp_path, 512, 1, **seeded)["ids"]

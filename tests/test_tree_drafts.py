@@ -10,7 +10,7 @@ from test_torch_backend import backend, models_, tokenizer  # noqa: F401 (fixtur
 from specdecode.backends.tree_shape import tree_prefix_within
 from specdecode.control.costmodel import CostCurve
 from specdecode.control.controller import Source, SpeculationController
-from specdecode.control.planner import tree_budget
+from specdecode.engine.plan import plan_generation
 from specdecode.drafters import ModelDrafter, NgramDrafter
 from specdecode.drafters.tree import grow_tree, set_tree_options
 from specdecode.engine import SpeculativeEngine
@@ -87,30 +87,38 @@ def test_a_request_may_turn_trees_off_or_size_them(models_, tokenizer):  # noqa:
     assert small.tree_steps > 0 and small.tree_nodes <= 2 * small.tree_steps
 
 
+def budget(target, requested: int | None, default: int | None, **options) -> int:
+    """The tree budget the generation's plan gives (:func:`specdecode.engine.plan.plan_generation`)."""
+    return plan_generation(GenerationOptions.from_kwargs(None, max_tree_nodes=requested, **options), target, 4,
+                           default).tree_nodes
+
+
 def test_the_budget_defaults_to_chains_and_follows_the_request_then_the_engine(models_, tokenizer):  # noqa: F811
     target, d = _pair(models_, tokenizer)
+    assert budget(target, None, None) == 0
+    assert budget(target, 5, None) == 5
+    assert budget(target, None, 7) == 7
+    assert budget(target, 0, 7) == 0  # the request's 0 wins
+    assert budget(target, None, DEFAULT_TREE_NODES) == DEFAULT_TREE_NODES
+    # Never with penalties, a grammar or batch invariance (drafters.tree.trees_allowed).
+    assert budget(target, 5, None, repetition_penalty=1.1) == 0
+    assert budget(target, 5, None, batch_invariant="on") == 0
     drafter = ModelDrafter(d, target)
-    assert tree_budget(drafter, None, None, target) == 0 and drafter.tree_nodes == 0
-    assert tree_budget(drafter, 5, None, target) == 5 and drafter.tree_nodes == 5
-    assert tree_budget(drafter, None, 7, target) == 7
-    assert tree_budget(drafter, 0, 7, target) == 0  # the request's 0 wins
     flat = CostCurve(tuple(range(1, 34)), (0.05,) * 33)
     c = SpeculationController([Source(drafter, 0.0)], flat, kmax=8)
-    assert tree_budget(c, None, None, target) == 0 and drafter.tree_nodes == 0  # chains unless trees are allowed
-    assert tree_budget(c, None, DEFAULT_TREE_NODES, target) == DEFAULT_TREE_NODES == drafter.tree_nodes
+    set_tree_options(c, DEFAULT_TREE_NODES)
+    assert drafter.tree_nodes == DEFAULT_TREE_NODES  # a controller's sources get the budget
 
 
 class ChainsOnly:
-    name, supports_tree = "chains-only", False
+    name, supports_tree, kv_shared, attention_chosen = "chains-only", False, False, False
 
 
 def test_trees_asked_of_a_target_that_verifies_chains_only_are_refused(models_, tokenizer):  # noqa: F811
-    target, d = _pair(models_, tokenizer)
-    drafter = ModelDrafter(d, target)
     with pytest.raises(SpecDecodeError, match="max_tree_nodes = 4: chains-only was loaded to verify chains only") as e:
-        tree_budget(drafter, 4, None, ChainsOnly())
+        budget(ChainsOnly(), 4, None)
     assert e.value.param == "max_tree_nodes"
-    assert tree_budget(drafter, None, None, ChainsOnly()) == 0
+    assert budget(ChainsOnly(), None, None) == 0
 
 
 def test_a_grown_tree_under_the_controller_is_cut_to_what_pays(models_, tokenizer):  # noqa: F811

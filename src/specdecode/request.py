@@ -45,7 +45,7 @@ class GenerationOptions:
         With one source named and num_speculative_tokens set, it drafts that many each step
         (no planning); with "auto" num_speculative_tokens is the cap.
     max_tree_nodes: the nodes a tree of drafts may hold in this generation (0..MAX_TREE_NODES;
-        0: chains only), or None for the engine's (:func:`specdecode.control.planner.tree_budget`).
+        0: chains only), or None for the engine's (:func:`specdecode.engine.plan.plan_generation`).
     inputs: request-fed inputs of other drafter kinds, by request field (a kind's
         ``request_field``), each as target token ids [P]: a mapping, kept as sorted
         (field, ids) pairs. ``prediction`` is the one OpenAI names; :meth:`request_inputs`

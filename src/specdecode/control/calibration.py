@@ -27,7 +27,7 @@ Units: seconds.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator, Sequence
 
@@ -124,9 +124,10 @@ class Calibration:
         what = "checked (T(n) at 3 sizes)" if need == "check" else f"measured (T(n) at {len(ns)} sizes)"
         meanwhile = "the cached curve" if cached is not None else \
             "a conservative curve, T(n) = n T(1), under which no draft pays (plain decoding)"
-        self._note = f"the cost curve is being {what} between requests; planned meanwhile with {meanwhile}"
-        self._tell(f"specdecode: serving at once: the target's cost curve is {what} between requests, a forward "
-                   f"at a time; until then the controller plans with {meanwhile}")
+        when = "between steps" if self.up_front else "between requests"
+        self._note = f"the cost curve is being {what} {when}; planned meanwhile with {meanwhile}"
+        self._tell(f"specdecode: answering at once: the target's cost curve is {what} {when}, a forward at a "
+                   f"time; until then the controller plans with {meanwhile}")
 
         def done(m: Measurement) -> None:
             kept = m.curve == base
@@ -173,26 +174,23 @@ class Calibration:
         self._report = lambda note: setattr(controller, "measurement_note", note)
         self._report(self._note)
 
-    def invariance(self, target: Backend, seq: int) -> int:
-        """The engine's ``invariance``: the cached invariant block where known, else 1 (plain
-        one-token steps, exactly strict) while the block is measured between requests."""
+    def invariance(self, target: Backend, seq: int) -> int | None:
+        """The engine's ``invariance``: the cached invariant block where known (up front: measured
+        now where not cached); else None while it is measured between requests, under which a
+        generation's plan runs plain one-token steps, exactly strict, so that a seed's text is
+        the one it will be once the block is known (:func:`specdecode.engine.plan.plan_generation`)."""
         if self.invariant_block is None and self.up_front:
             self.invariant_block = cached_invariant_block(target, seq, self.cache_dir)
         if self.invariant_block is not None:
             return self.invariant_block
         self._want_invariance()
-        return 1
+        return None
 
     def before_generation(self, options: Any) -> Any:
-        """Told before each generation begins (it may use any of the target's sequences):
-        returns its options, with a seed's batch invariance ("auto") made strict ("on") while the
-        invariant block is not known, so that the seed's text is the one it will be once it is:
-        plain one-token steps, where "auto" would otherwise verify as usual."""
+        """Told before each generation begins (it may use any of the target's sequences): the
+        next part knows the slots were used. Returns the options, unchanged."""
         self._touched = True
-        if not options.invariant or self.invariant_block is not None or self.target.kv_shared or self.up_front:
-            return options
-        self._want_invariance()
-        return replace(options, batch_invariant="on") if options.batch_invariant == "auto" else options
+        return options
 
     def attach(self, engine: Any) -> None:
         """The engine whose slots a part's forwards overwrite (see the class)."""

@@ -19,8 +19,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..drafters.base import Drafter, DrafterBase
-from ..drafters.tree import set_tree_options
-from ..errors import SpecDecodeError
 from .costmodel import allocate_drafts
 
 
@@ -85,20 +83,3 @@ def plan_batch(drafters: Sequence[Drafter], contexts: Sequence[Sequence[int]], c
                              lambda n: costs.upto(n, context), [offers[i].step_s for i in planned])
     for i, q in zip(planned, quotas):
         drafters[i].set_quota(q)
-
-
-def tree_budget(drafter: Drafter, requested: int | None, default: int | None, target, allowed: bool = True) -> int:
-    """The node budget of one generation's trees of drafts, set on its drafter (and the
-    controller's sources): the request's max_tree_nodes, else the engine's, else 0 (chains:
-    on the development CPUs trees measured no faster, :data:`specdecode.limits.DEFAULT_TREE_NODES`);
-    under the cost-aware controller each tree is then cut to the prefix that pays.
-    Raises SpecDecodeError (param max_tree_nodes) when trees are asked of such a target."""
-    nodes = requested if requested is not None else default
-    verifies = target.supports_tree
-    if nodes and not verifies:
-        raise SpecDecodeError(f"max_tree_nodes = {nodes}: {target.name} was loaded to verify chains only; load it "
-                              f"with trees (Decoder(max_tree_nodes=N), --max-tree-nodes N) or ask for 0",
-                              param="max_tree_nodes")
-    nodes = (nodes or 0) if allowed else 0  # allowed: drafters.tree.trees_allowed
-    set_tree_options(drafter, nodes)
-    return nodes

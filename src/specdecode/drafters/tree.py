@@ -36,11 +36,13 @@ class TreeDrafting:
         return self.tree_nodes > 0 and sampler.params.greedy
 
 
-def trees_allowed(sampler, invariant: bool) -> bool:
-    """The one rule of whether a generation may have trees of drafts at all: no penalties or
-    grammar (each path would need its own history and grammar state) and not batch-invariant
-    (a tree's forward is not the arithmetic of one-token steps). Where not, its budget is 0."""
-    return not sampler.params.has_penalties and sampler.constraint is None and not invariant
+def trees_allowed(params, grammar, invariant: bool) -> bool:
+    """The one rule of whether a generation may have trees of drafts at all (its plan reads it:
+    :func:`specdecode.engine.plan.plan_generation`): no penalties (``params``, the sampling
+    parameters) or ``grammar`` (each path would need its own history and grammar state) and not
+    batch-invariant (a tree's forward is not the arithmetic of one-token steps). Where not, its
+    budget is 0."""
+    return not params.has_penalties and grammar is None and not invariant
 
 
 def set_tree_options(drafter, nodes: int, width: int | None = None) -> None:

@@ -13,11 +13,10 @@ import numpy as np
 from .reuse import reuse_chunks
 from ..backends.base import Backend, SeqForward
 from ..backends.tree_shape import tree_prefix_within
-from ..control.invariance import check_strict_allowed, measure_invariant_block
-from ..control.planner import plan_batch, tree_budget
+from ..control.invariance import measure_invariant_block
+from ..control.planner import plan_batch
 from ..drafters.base import Draft, Drafter, HiddenStateDrafter, NoDrafter, StepOutcome
-from ..drafters.kinds import resolve_request
-from ..drafters.tree import trees_allowed
+from ..drafters.tree import set_tree_options
 from ..errors import ContextOverflowError, SpecDecodeError
 from ..grammar import GrammarConstraint
 from ..limits import check_max_tree_nodes, check_num_speculative_tokens
@@ -26,6 +25,7 @@ from ..request import GenerationOptions
 from ..sampling import Sampler
 from .forwards import BatchForwards
 from .generation import Generation, Slot, Verified
+from .plan import plan_generation, wants_invariance
 from .tree_step import verify_tree_block
 from ..backends.base import HiddenRows
 from ..verify import committed_tokens, verify_greedy, verify_keyed, verify_speculative_sampling
@@ -47,7 +47,7 @@ class SpeculativeEngine:
     num_speculative_tokens: K, drafted tokens per step (0 <= K <= MAX_NUM_SPECULATIVE_TOKENS).
     n_slots: concurrent generations (default: the target's n_seq); slot i runs on the
         target's KV sequence i with ``drafter.fork(i)`` (slot 0 with the drafter itself).
-    max_tree_nodes: nodes a tree of drafts may hold (0: chains; None: :func:`.control.planner.tree_budget`).
+    max_tree_nodes: nodes a tree of drafts may hold (0: chains; None: the plan's default, :mod:`.plan`).
 
     A single generation (:meth:`stream`) is the batch of one: :meth:`begin` takes a slot
     and prefills it, :meth:`step` runs one batched step for any set of running
@@ -57,15 +57,17 @@ class SpeculativeEngine:
 
     Batch invariance: a generation whose options ask for it (seeded sampling, by default, where
     the measured block holds at least 2 tokens) is verified in forwards of at most the target's
-    ``invariant_block`` tokens (``invariance(target, seq)`` measures it, once), in batch-invariant mode, and
-    prefills its whole prompt (a cache written by other forwards could differ in the last
-    bits): every row then has the logits of plain decoding, whatever K, drafter or batch.
+    ``invariant_block`` tokens (``invariance(target, seq)`` measures it, once; None: later), in
+    batch-invariant mode, and reuses of its slot's cache only the whole prefill calls a fresh
+    prefill makes alike (:meth:`.generation.Slot.invariant_reusable`): every row then has the
+    logits of plain decoding, whatever K, drafter or batch. What a generation runs with is its
+    plan (:mod:`.plan`), decided once in :meth:`begin`.
 
     Raises SpecDecodeError on an out-of-range K or n_slots.
     """
 
     def __init__(self, target: Backend, drafter: Drafter, num_speculative_tokens: int = 4,
-                 n_slots: int | None = None, invariance: Callable[[Backend, int], int] = measure_invariant_block,
+                 n_slots: int | None = None, invariance: Callable[[Backend, int], "int | None"] = measure_invariant_block,
                  max_tree_nodes: int | None = None) -> None:
         self.target = target
         self.max_tree_nodes = check_max_tree_nodes(max_tree_nodes)  # None: the controller's default
@@ -119,51 +121,36 @@ class SpeculativeEngine:
         ContextOverflowError when the prompt does not fit.
         """
         options = GenerationOptions.from_kwargs(options, **fields) if fields or options is None else options
-        choice = resolve_request(options.draft, options.num_speculative_tokens, self.num_speculative_tokens,
-                                 options.request_inputs(), options.plain, self.target.token_bytes)
-        K = choice.k
-        if choice.plain:
-            drafter = self._plain
+        plan_generation(options, self.target, self.num_speculative_tokens, self.max_tree_nodes,
+                        1, self.target.token_bytes)  # refused here, before a slot is taken or anything measured
         self._check(prompt_ids)
         started = time.perf_counter()
         where = self._choose_slot(prompt_ids, slot)
+        block = self.forwards.invariant_block(where) if wants_invariance(options, self.target) else None
+        plan = plan_generation(options, self.target, self.num_speculative_tokens, self.max_tree_nodes, block,
+                               self.target.token_bytes)  # decided once: docs/architecture.md, "Decided once"
         grammar = options.grammar
         sampler = Sampler(options.sampling, GrammarConstraint(grammar, self.target) if grammar is not None else None,
                           prompt_len=len(prompt_ids))
         out = OutputAccumulator(prompt_ids, self.target.eog_ids, self.target.token_bytes, options.max_tokens,
                                 options.stop, options.logprobs, options.record_top2_gaps, started, options.trace)
-        gen = Generation(list(prompt_ids), drafter or where.drafter, sampler, out, where, K, len(prompt_ids),
-                         options.invariant)
-        if options.batch_invariant == "on":
-            check_strict_allowed(self.target)
-        elif gen.invariant and self.target.kv_shared:
-            gen.invariant = False  # "auto" (a seed) verifies as usual where strict is not allowed
-        if gen.invariant:
-            block = self.forwards.invariant_block(where)
-            # "auto" does not trade all speculation for it: with a block of 1 (no forward of two
-            # tokens equals two one-token steps) the generation verifies as usual instead, unless
-            # specdecode itself chose that path (flash attention off by measurement): then plain
-            # steps, so that a seed's promise is not broken by a choice the user did not make.
-            gen.invariant = block >= 2 or options.batch_invariant == "on"
-            plain = not gen.invariant and self.target.attention_chosen
-            if plain:
-                gen.k, gen.drafter = 0, self._plain
-            out.stats.invariant_block = block if gen.invariant else 1 if plain else 0  # 1: plain steps
+        chosen = self._plain if plan.plain else drafter or where.drafter
+        gen = Generation(list(prompt_ids), chosen, sampler, out, where, plan.k, len(prompt_ids), plan.invariant)
+        out.stats.invariant_block, out.stats.strict = plan.invariant_block, plan.strict
         if gen.invariant:  # reuse only cells a fresh prefill computes alike: whole calls from 0
             where.cached_len = min(where.cached_len, where.invariant_reusable(prompt_ids, self.target.prefill_split))
         self.forwards.set_invariant(gen.invariant)
-        gen.tree_nodes = tree_budget(gen.drafter, options.max_tree_nodes, self.max_tree_nodes, self.target,
-                                     trees_allowed(sampler, gen.invariant))
+        gen.tree_nodes = plan.tree_nodes
+        set_tree_options(gen.drafter, plan.tree_nodes)
         # What it runs with, decided here once; the response reports it.
-        out.stats.draft = "none" if choice.plain else choice.drafting.draft or self.draft_name
-        out.stats.num_speculative_tokens, out.stats.max_tree_nodes = K, gen.tree_nodes
-        out.stats.strict = gen.invariant and options.batch_invariant == "on"
+        out.stats.draft = "none" if plan.choice.plain else plan.choice.drafting.draft or self.draft_name
+        out.stats.num_speculative_tokens, out.stats.max_tree_nodes = plan.choice.k, gen.tree_nodes
         gen.drafter.start(prompt_ids, sampler)
-        if drafter is not self._plain:  # may refuse the request's draft or inputs: the slot stays free
-            gen.drafter.configure(choice.drafting)
+        if not plan.choice.plain:  # may refuse the request's draft or inputs: the slot stays free
+            gen.drafter.configure(plan.choice.drafting)
         if accepted is not None:
             accepted()
-        reuse = 0 if gen.invariant else options.cache_reuse  # shifted chunks are close, not bitwise
+        reuse = plan.cache_reuse
         if chunked and not gen.invariant:
             out.stats.prompt_cached, out.stats.prompt_shifted = self._start_prefill(where, gen.committed, reuse)
             gen.prefilling = True

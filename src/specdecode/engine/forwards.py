@@ -25,7 +25,7 @@ class BatchForwards:
     the result is kept on the target).
     """
 
-    def __init__(self, target: Backend, invariance: Callable[[Backend, int], int]) -> None:
+    def __init__(self, target: Backend, invariance: Callable[[Backend, int], "int | None"]) -> None:
         self.target = target
         self.invariance = invariance
         self._invariant_mode = False  # the target's set_batch_invariant, as last set
@@ -75,10 +75,14 @@ class BatchForwards:
             self.target.set_batch_invariant(on)
             self._invariant_mode = on
 
-    def invariant_block(self, slot: Any) -> int:
-        """The target's invariant_block, measured on the slot's sequence the first time."""
+    def invariant_block(self, slot: Any) -> int | None:
+        """The target's invariant_block, measured on the slot's sequence the first time; None
+        while ``invariance`` says it is measured later (a server's calibration, between requests)."""
         if self.target.invariant_block is None:
             slot.forget()
             self._invariant_mode = False
-            self.target.invariant_block = max(1, int(self.invariance(self.target, slot.seq)))
+            block = self.invariance(self.target, slot.seq)
+            if block is None:
+                return None
+            self.target.invariant_block = max(1, int(block))
         return self.target.invariant_block

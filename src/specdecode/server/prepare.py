@@ -15,7 +15,7 @@ from typing import Any, Callable
 from jinja2 import TemplateError
 
 from ..backends.fim import FimBudget, FimInput
-from ..control.invariance import check_strict_allowed
+from ..engine.plan import plan_generation
 from ..errors import SpecDecodeError
 from ..grammar import check_grammar
 from .apierror import APIError, from_specdecode_error
@@ -121,12 +121,17 @@ class Preparer:
                     if req.tools and req.options.grammar.name == "tools":
                         req.tools.check_schemas(self.decoder.target)  # names the tool whose schema fails
                     raise
-            if req.options.batch_invariant == "on":  # found here, a 400, not inside a stream already open
-                check_strict_allowed(self.decoder.target)
+            prepared = Prepared(ids, max_tokens, {name: ids for name, ids in inputs.items() if ids},
+                                self.cache_reuse if req.fim is not None else 0)
+            # The generation's plan, as the engine's begin decides it (strict mode where it may run,
+            # the drafter and K, trees): a 400 here, not inside a stream already open.
+            engine = self.decoder.engine
+            plan_generation(req.choice_options(0, max_tokens, prepared.inputs, prepared.cache_reuse),
+                            self.decoder.target, engine.num_speculative_tokens, engine.max_tree_nodes, 1,
+                            self.decoder.target.token_bytes)
         except (SpecDecodeError, TemplateError) as e:
             raise request_error(e, req) from None
-        return Prepared(ids, max_tokens, {name: ids for name, ids in inputs.items() if ids},
-                        self.cache_reuse if req.fim is not None else 0)
+        return prepared
 
     def _input_ids(self, name: str, text: str) -> tuple[int, ...]:
         """A request-fed input's tokens, within the prediction limits (bytes, then tokens)."""
