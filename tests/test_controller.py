@@ -202,23 +202,29 @@ def test_failed_probes_back_off_and_lagging_draft_models_are_not_probed():
     assert sum(drive(c, accept_all=True, steps=50)) == 0
 
 
+class Lagging(FixedModel):
+    """A draft model 500 tokens behind the text until it drafts (it catches up then);
+    on_catch_up(tokens) is told of each catch-up."""
+
+    def __init__(self, token, on_catch_up=None):
+        super().__init__(token, "model")
+        self.behind, self.on_catch_up = 500, on_catch_up
+
+    def pending(self, context):
+        return self.behind
+
+    def propose(self, context, k):
+        if self.on_catch_up is not None:
+            self.on_catch_up(self.behind)
+        self.behind = 0  # it has caught up
+        return super().propose(context, k)
+
+
 def test_a_draft_model_that_pays_catches_up_once():
     """A draft model 500 tokens behind (1 s of catch-up, five plain steps) is started at once
     when its steady rate repays the catch-up within the horizon (cheap drafts, flat
     verification, as a bf16 torch target on a CPU with a llama.cpp draft), and still never
     on a compute-bound target where it cannot pay at all."""
-
-    class Lagging(FixedModel):
-        def __init__(self, token):
-            super().__init__(token, "model")
-            self.behind = 500
-
-        def pending(self, context):
-            return self.behind
-
-        def propose(self, context, k):
-            self.behind = 0  # it has caught up
-            return super().propose(context, k)
 
     slow_target = CostCurve(tuple(range(1, 10)), (0.2,) * 9)
     c = SpeculationController([Source(Lagging(7), 0.03, prefill_cost=0.002)], slow_target, kmax=8)
@@ -239,21 +245,9 @@ def test_a_catch_up_that_cost_more_than_its_price_is_priced_so_from_then_on(monk
     now = [0.0]
     monkeypatch.setattr(controller_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
 
-    class Lagging(FixedModel):
-        def __init__(self, token):
-            super().__init__(token, "model")
-            self.behind = 500
-
-        def pending(self, context):
-            return self.behind
-
-        def propose(self, context, k):
-            now[0] += 0.1 * self.behind  # 100 ms a token: 50 x what it is priced at
-            self.behind = 0
-            return super().propose(context, k)
-
     slow_target = CostCurve(tuple(range(1, 10)), (0.2,) * 9)
-    source = Source(Lagging(7), 0.03, prefill_cost=0.002)
+    source = Source(Lagging(7, on_catch_up=lambda behind: now.__setitem__(0, now[0] + 0.1 * behind)), 0.03,
+                    prefill_cost=0.002)  # 100 ms a token: 50 x what it is priced at
     c = SpeculationController([source], slow_target, kmax=8)
     ks = drive(c, accept_all=True, steps=3)
     assert ks[0] > 0  # priced at 1 s: caught up at once
