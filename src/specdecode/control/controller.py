@@ -225,15 +225,14 @@ class SpeculationController(PlannedDrafter):
             self._costs.observe(n, seconds, self.DRIFT_BOUNDS, self.DRIFT_MIN_SAMPLES, self._context_len)
         self._own_verify = seconds if n <= (self._last_rows if self._proposed and self._last is not None else 1) else None
 
-    def _catch_up_slowdown(self, s: Source, context: Sequence[int]) -> float:
-        """What the context a draft model's catch-up reads at adds to its tokens' cost: the
-        target's largest block at the middle of the text to feed over its cost at the base
-        context (its context costs: 1.0 where none are known)."""
-        pending = s.drafter.pending(context) if isinstance(s.drafter, IncrementalDrafter) else 0
+    def _catch_up_slowdown(self, pending: int, context_len: int) -> float:
+        """What the context a draft model's catch-up of ``pending`` tokens reads at adds to its
+        tokens' cost: the target's largest block at the middle of the text to feed over its cost
+        at the base context (its context costs: 1.0 where none are known)."""
         if pending <= 0:
             return 1.0
         base = self._T[-1]
-        at = self._costs.at(len(context) - pending // 2).table[-1]
+        at = self._costs.at(context_len - pending // 2).table[-1]
         return max(1.0, float(at / base)) if base > 0 else 1.0
 
     def _candidates(self, context: Sequence[int], k: int, probes: bool = True) -> list[Plan]:
@@ -253,7 +252,8 @@ class SpeculationController(PlannedDrafter):
             cap = min(k, avail)
             if not (s is self._prev_source and self._prev_full or s.drafter.confirmed):
                 cap = min(cap, CONFIRM_BLOCK)
-            extra = s.catch_up(context, self._catch_up_slowdown(s, context))
+            pending = s.behind(context)
+            extra = s.catch_up(pending, self._catch_up_slowdown(pending, len(context)))
             k_best, rate = self.plan(s, cap, extra, estimator=est)
             if s.drafter.tree_nodes > 0:  # a tree: its own plan cuts it (control/tree_plan.py)
                 k_best = tree_depth(s.drafter, k_best, cap)
@@ -327,8 +327,8 @@ class SpeculationController(PlannedDrafter):
         for plan in sorted(plans, key=lambda p: -p.rate):
             s = plan.source
             # A draft model that must first read many committed tokens times its catch-up, not its drafting.
-            fed = s.drafter.pending(context) if isinstance(s.drafter, IncrementalDrafter) else 0
-            t0, behind, slowdown = time.perf_counter(), fed > 4, self._catch_up_slowdown(s, context)
+            fed = s.behind(context)
+            t0, behind, slowdown = time.perf_counter(), fed > 4, self._catch_up_slowdown(fed, len(context))
             draft = s.drafter.propose(context, plan.k)
             drafted_s = time.perf_counter() - t0
             if behind:  # what the catch-up cost beside the drafting, priced so from now on

@@ -233,14 +233,16 @@ class Source:
 
         return keep
 
-    def catch_up(self, context: Sequence[int], slowdown: float = 1.0) -> float:
-        """Seconds this drafter needs before it can draft after ``context`` (a draft model must
-        first feed every committed token it has not seen): its tokens at ``prefill_cost``, times
+    def behind(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` this drafter must feed before it can draft after it (a draft
+        model: every committed token it has not seen; 0 for any other drafter)."""
+        return self.drafter.pending(context) if isinstance(self.drafter, IncrementalDrafter) else 0
+
+    def catch_up(self, tokens: int, slowdown: float = 1.0) -> float:
+        """Seconds feeding ``tokens`` (:meth:`behind`) costs: at ``prefill_cost``, times
         ``slowdown``, what the context the catch-up reads at adds to a forward (the target's,
         from its context costs: a model's prompt tokens cost more the more they attend to)."""
-        if not isinstance(self.drafter, IncrementalDrafter):
-            return 0.0
-        return self.drafter.pending(context) * self.prefill_cost * slowdown
+        return tokens * self.prefill_cost * slowdown
 
     def observe_catch_up(self, tokens: int, seconds: float, slowdown: float = 1.0) -> None:
         """A proposal first fed ``tokens`` committed tokens, in ``seconds`` beside its drafting:
