@@ -21,9 +21,22 @@ from test_server_access import MODEL, ByteBackend
 SECRET = "You are the vault. The PIN is 4931. Never say it."
 
 
+class Counting(ByteBackend):
+    """The byte model, counting the tokens its forwards evaluate (``fed``)."""
+
+    fed = 0
+
+    def forward(self, token_ids, logits_for, seq=0):
+        self.fed += len(token_ids)
+        return super().forward(token_ids, logits_for, seq)
+
+
+BACKEND = Counting()
+
+
 @pytest.fixture(scope="module")
 def http():
-    dec = Decoder(target=ByteBackend(), draft="none", num_speculative_tokens=0, progress=False)
+    dec = Decoder(target=BACKEND, draft="none", num_speculative_tokens=0, progress=False)
     with ServerThread(create_app(dec)) as server, httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
     dec.close()
@@ -37,17 +50,27 @@ def cached(http, system: str, **identity) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def probe(http, system: str) -> tuple[int, float, int]:
+    """mallory's guess: (cached_tokens, the /metrics counter's change, tokens evaluated)."""
+    before, fed = total(metrics(http), "specdecode:prompt_tokens_cached_total"), BACKEND.fed
+    n = cached(http, system, user="mallory")
+    return n, total(metrics(http), "specdecode:prompt_tokens_cached_total") - before, BACKEND.fed - fed
+
+
 def test_another_clients_prefix_is_reused_but_not_reported(http):
     cached(http, SECRET, user="alice")
-    before = total(metrics(http), "specdecode:prompt_tokens_cached_total")
-    right = cached(http, SECRET.replace("Never say it.", "Say it."), user="mallory")
+    right = probe(http, SECRET.replace("Never say it.", "Say it."))
     cached(http, SECRET, user="alice")
-    near = cached(http, SECRET.replace("4931", "4932"), user="mallory")
+    near = probe(http, SECRET.replace("4931", "4932"))
     cached(http, SECRET, user="alice")
-    far = cached(http, "Something else entirely.", user="mallory")
-    assert right == near == far == 0  # nothing to tell the right PIN from a near miss
-    # The reuse itself is kept: the server counted the guesses' cached prefixes.
-    assert total(metrics(http), "specdecode:prompt_tokens_cached_total") - before >= 2 * len(SECRET)
+    far = probe(http, "Something else entirely.")
+    # Nothing to tell the right PIN from a near miss: not the usage, not the /metrics counter
+    # read around the request (the hostile pass read the reuse off it).
+    assert right[:2] == near[:2] == far[:2] == (0, 0)
+    # The reuse itself is kept: the right guess evaluated only what follows its shared prefix.
+    shared = len("system: " + SECRET[:SECRET.index("Never")])
+    whole = len("system: " + SECRET.replace("Never say it.", "Say it.") + "\nuser: hi\nassistant:")
+    assert right[2] <= whole - shared + 1 and far[2] >= len("system: Something else entirely.")
     # Within one client the count is exact (the negative control: the same prompt, the same user).
     cached(http, SECRET, user="alice")  # (mallory wrote the slot last)
     assert cached(http, SECRET, user="alice") > len(SECRET)

@@ -140,6 +140,9 @@ def test_messages_carry_tool_calls_as_objects_and_tool_results_by_name():
         {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "12:00", "tool_name": "get_time"}]}, "messages[2].tool_name")
     assert '"get_time"' in words and '"get_weather"' in words
+    assert "must be a string" in refused(chat, {"messages": [HI[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {}}}]}, {"role": "tool", "content": "x", "tool_name": 5}]},
+        "messages[2].tool_name")
     assert "reads text only" in refused(chat, {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
                                         "messages[0].images")
     refused(chat, {"messages": [{"role": "user", "content": "x", "name": "me"}]}, "messages[0].name")

@@ -23,7 +23,7 @@ from ..control.calibration import Calibration
 from ..control.controller import SpeculationController, Source
 from ..control.invariance import cached_invariant_block
 from ..control.context_costs import cached_context_costs
-from ..control.costcache import cached_forward_curve, cached_measurement, rewrite_from_live
+from ..control.costcache import cached_forward_curve, cached_measurement, read_cached, rewrite_from_live
 from ..control.costmodel import ObservedCurve
 from ..control.sources import SharedCosts
 from ..drafters import Drafter, NoDrafter
@@ -251,8 +251,10 @@ def _controller(choice: Choice, target: Backend, load_opts: dict, draft_vocab: i
     if n_seq > 1:
         ns += [n for n in BATCH_COST_CURVE_NS if ns[-1] < n <= n_seq * (kmax + 1)]
     on_drift = lambda why, live: rewrite_from_live(target, cache, live, why)  # noqa: E731
-    if calibration is None:
-        measured = cached_measurement(target, ns, cache, on_measure=_say_measuring if load_opts["progress"] else None)
+    if calibration is None:  # (the bench's engines) a cached curve at once, stale or not: checked by generate or serve
+        cached, _ = read_cached(target, ns, cache)
+        measured = cached if cached is not None else \
+            cached_measurement(target, ns, cache, on_measure=_say_measuring if load_opts["progress"] else None)
         shared = SharedCosts(ObservedCurve(measured.curve), kmax + 1, on_drift)
         shared.set_context_costs(cached_context_costs(target, cache, _say_measuring_context if load_opts["progress"]
                                                       else None))

@@ -269,6 +269,9 @@ def _answered(m: dict, pending: list[tuple[str, str]], where: str) -> str:
         pending[:] = [p for p in pending if p[0] != m["tool_call_id"]]
         return m["tool_call_id"]
     name = m.get("tool_name")
+    if name is not None and not isinstance(name, str):
+        raise _error(f"{where}.tool_name must be a string (the function the message answers), got {json_repr(name)}",
+                     f"{where}.tool_name")
     if name is not None and pending and not any(p[1] == name for p in pending):
         raise _error(f"{where}.tool_name = {json_repr(name)} answers no unanswered call: the calls waiting for "
                      f"an answer are of {', '.join(sorted({json_repr(p[1]) for p in pending}))}", f"{where}.tool_name")

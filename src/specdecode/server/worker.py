@@ -282,12 +282,11 @@ class Worker:
         /infill's ``prompt_n``, the ``speculation`` object) says 0, so that a client cannot
         probe another's prompt token by token (issue 61: a guessed PIN in another client's
         system prompt showed as 50 of 51 cached tokens, a near miss as 16-18). A client is its
-        :attr:`.jobs.Job.owner`; the /metrics counter still counts the reuse."""
+        :attr:`.jobs.Job.owner`. The /metrics counter counts what the usage reports (counted
+        there, the reuse could be read off it by diffing it around one's own request)."""
         stats, seq = r.gen.out.stats, r.gen.slot.seq
         last, self._slot_owner[seq] = self._slot_owner.get(seq), r.job.owner
-        if last is not None and last != r.job.owner and (stats.prompt_cached or stats.prompt_shifted):
-            if r.index == 0:
-                self.metrics.prompt_tokens_cached.inc(stats.prompt_cached or 0)
+        if last is not None and last != r.job.owner:
             stats.prompt_cached = stats.prompt_shifted = 0
 
     def _cancelled(self, r: _Running, shutdown: bool = False) -> None:
