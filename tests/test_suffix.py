@@ -247,6 +247,7 @@ def test_the_controller_drafts_with_a_suffix_source():
 
 def test_loading_builds_suffix_drafters(monkeypatch):
     assert isinstance(loading.make_drafter("suffix", target=None), SuffixDrafter)
+    monkeypatch.setattr(loading, "read_cached", lambda *a, **k: (None, "measure"))  # nothing cached: measured
     monkeypatch.setattr(loading, "cached_measurement", lambda *a, **k: Measurement(FLAT))
     monkeypatch.setattr(loading, "cached_context_costs", lambda *a, **k: None)
     monkeypatch.setattr(loading, "default_draft_serves", lambda target: False)
